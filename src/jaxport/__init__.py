@@ -1,0 +1,3 @@
+"""jaxport: TinyRecursiveModels, nanoGPT and Dream/DiffuCoder natively in JAX."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,40 @@
+"""The `jaxport` command: `jaxport <family> <action> ...`, one sub-command per model family."""
+
+import importlib
+import sys
+
+from jaxport.errors import JaxportError
+
+FAMILIES = {
+    "trm": "TinyRecursiveModels: demo, build datasets, train, evaluate",
+    "gpt": "nanoGPT: prepare data, train, sample",
+    "dream": "Dream / DiffuCoder: generate, bench",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: jaxport <family> <action> [options]", "", "families:"]
+    lines += [f"  {name:6s} {text}" for name, text in FAMILIES.items()]
+    lines.append("\n`jaxport <family> --help` lists the actions of a family.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    family, rest = argv[0], argv[1:]
+    if family not in FAMILIES:
+        print(f"jaxport: unknown family {family!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    family_cli = importlib.import_module(f"jaxport.{family}.cli")
+    try:
+        return family_cli.main(rest) or 0
+    except JaxportError as err:
+        print(f"jaxport {family}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

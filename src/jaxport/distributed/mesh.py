@@ -1,0 +1,79 @@
+"""Meshes over all devices (all hosts), with logical axis names mapped onto mesh axes.
+
+Every family names array dimensions logically (`batch`, `embed`, `heads`, ...) and
+these rules decide which mesh axis, if any, splits them, as MaxText does.
+"""
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# logical dimension -> mesh axis (or tuple of axes); absent means replicated.
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "vocab": "model",
+    "seq": None,
+}
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """Start multi-host JAX. With no arguments, JAX auto-detects TPU pods and GPU clusters
+    (SLURM, Open MPI); `JAXPORT_COORDINATOR`, `JAXPORT_NUM_PROCESSES` and `JAXPORT_PROCESS_ID`
+    give an explicit coordinator (e.g. several processes on 127.0.0.1)."""
+    coordinator_address = coordinator_address or os.environ.get("JAXPORT_COORDINATOR")
+    if coordinator_address is None and num_processes is None:
+        if os.environ.get("SLURM_JOB_ID") or os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
+            jax.distributed.initialize()
+        return
+    num_processes = num_processes if num_processes is not None else int(os.environ["JAXPORT_NUM_PROCESSES"])
+    process_id = process_id if process_id is not None else int(os.environ["JAXPORT_PROCESS_ID"])
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A `(data, fsdp, model)` mesh over `devices` (default: every device of every process).
+    One of the sizes may be -1: it takes whatever the others leave."""
+    devices = jax.devices() if devices is None else devices
+    sizes = [data, fsdp, model]
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one mesh axis size may be -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh (data={sizes[0]}, fsdp={sizes[1]}, model={sizes[2]}) does not cover "
+                         f"{len(devices)} devices")
+    return Mesh(np.asarray(devices).reshape(sizes), ("data", "fsdp", "model"))
+
+
+def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
+    """NamedSharding for an array whose dimensions have these logical names."""
+    spec = []
+    for name in logical_axes:
+        axes = LOGICAL_AXIS_RULES.get(name) if name else None
+        if isinstance(axes, tuple):
+            axes = tuple(a for a in axes if mesh.shape[a] > 1) or None
+            axes = axes[0] if axes and len(axes) == 1 else axes
+        elif axes is not None and mesh.shape[axes] == 1:
+            axes = None
+        spec.append(axes)
+    return NamedSharding(mesh, P(*spec))
+
+
+def replicate(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def shard_batch(batch, mesh: Mesh):
+    """Put every array's leading (batch) dimension across the mesh's batch axes."""
+    def put(x):
+        x = np.asarray(x)
+        return jax.device_put(x, logical_sharding(mesh, "batch", *([None] * (x.ndim - 1))))
+    return jax.tree.map(put, batch)

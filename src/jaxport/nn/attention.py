@@ -1,0 +1,93 @@
+"""Multi-head attention: bidirectional or causal, grouped KV heads, boolean padding mask."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxport.nn.linear import Linear
+from jaxport.nn.rotary import apply_rotary
+
+
+def dot_product_attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
+                          causal: bool = False, mask: jax.Array | None = None,
+                          scale: float | None = None) -> jax.Array:
+    """Softmax attention with `H` query heads sharing `K` key/value heads (H % K == 0).
+
+    `mask` is boolean, True where a query may attend: `[B, T]` (key padding),
+    `[B, S, T]` or `[B, 1|H, S, T]`. Scores and softmax are float32. A query row
+    with no allowed key returns zeros, as PyTorch's SDPA does for fully masked rows.
+    """
+    B, S, H, D = q_BSHD.shape
+    K = k_BTKD.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    q_BSKGD = q_BSHD.reshape(B, S, K, H // K, D)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BTKD, preferred_element_type=jnp.float32) * scale
+    allowed = None
+    if causal:
+        T = k_BTKD.shape[1]
+        allowed = jnp.tril(jnp.ones((S, T), dtype=bool), k=T - S)
+    if mask is not None:
+        mask = _mask_to_scores_layout(mask, K, H // K)
+        allowed = mask if allowed is None else allowed & mask
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if allowed is not None:
+        probs = jnp.where(jnp.any(allowed, axis=-1, keepdims=True), probs, 0.0)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v_BTKD.dtype), v_BTKD)
+    return out.reshape(B, S, H, D)
+
+
+def _mask_to_scores_layout(mask: jax.Array, K: int, G: int) -> jax.Array:
+    """Boolean `[B, T]`, `[B, S, T]` or `[B, 1|H, S, T]` -> broadcastable to `[B, K, G, S, T]`."""
+    if mask.ndim == 2:
+        return mask[:, None, None, None, :]
+    if mask.ndim == 3:
+        return mask[:, None, None]
+    if mask.shape[1] == 1:
+        return mask[:, None]
+    return mask.reshape(mask.shape[0], K, G, *mask.shape[-2:])
+
+
+class Attention(nnx.Module):
+    """Self-attention with either a fused `qkv_proj` (TRM) or separate `q_proj/k_proj/v_proj` (Qwen2/Dream).
+
+    Heads are laid out as `[q heads | k heads | v heads]` along the projection output,
+    each `head_dim` wide, which is also nanoGPT's `c_attn` layout.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, causal: bool = False, qkv_bias: bool = False,
+                 out_bias: bool = False, fused_qkv: bool = True, rngs: nnx.Rngs):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        self.causal = causal
+        self.fused_qkv = fused_qkv
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if fused_qkv:
+            self.qkv_proj = Linear(hidden_size, q_out + 2 * kv_out, bias=qkv_bias, rngs=rngs)
+        else:
+            self.q_proj = Linear(hidden_size, q_out, bias=qkv_bias, rngs=rngs)
+            self.k_proj = Linear(hidden_size, kv_out, bias=qkv_bias, rngs=rngs)
+            self.v_proj = Linear(hidden_size, kv_out, bias=qkv_bias, rngs=rngs)
+        self.o_proj = Linear(q_out, hidden_size, bias=out_bias, rngs=rngs)
+
+    def project_qkv(self, x_BSD: jax.Array):
+        B, S, _ = x_BSD.shape
+        if self.fused_qkv:
+            qkv = self.qkv_proj(x_BSD).reshape(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            return jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+        return (self.q_proj(x_BSD).reshape(B, S, self.num_heads, self.head_dim),
+                self.k_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim),
+                self.v_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim))
+
+    def __call__(self, x_BSD: jax.Array, cos_sin=None, mask: jax.Array | None = None) -> jax.Array:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.project_qkv(x_BSD)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = dot_product_attention(q, k, v, causal=self.causal, mask=mask)
+        return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))

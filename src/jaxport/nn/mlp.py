@@ -1,0 +1,39 @@
+"""Gated SiLU feed-forward (SwiGLU)."""
+
+import jax
+from flax import nnx
+
+from jaxport.nn.linear import Linear
+
+
+def find_multiple(a: int, b: int) -> int:
+    return -(a // -b) * b
+
+
+def swiglu_intermediate_size(hidden_size: int, expansion: float) -> int:
+    """TRM/HRM rounding: 2/3 of `expansion * hidden`, Python-rounded, up to a multiple of 256."""
+    return find_multiple(round(expansion * hidden_size * 2 / 3), 256)
+
+
+class SwiGLU(nnx.Module):
+    """`down(silu(gate(x)) * up(x))`, no biases.
+
+    `fused=True` keeps TRM's single `gate_up_proj` whose output is `[gate | up]`;
+    `fused=False` gives Qwen2/Dream's `gate_proj`, `up_proj`.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, fused: bool = True, rngs: nnx.Rngs):
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, rngs=rngs)
+        else:
+            self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, rngs=rngs)
+            self.up_proj = Linear(hidden_size, intermediate_size, bias=False, rngs=rngs)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fused:
+            gate, up = jax.numpy.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
