@@ -69,7 +69,7 @@ def _to_torch(obj, torch):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_torch(v, torch) for v in obj)
     if hasattr(obj, "__array__") and not isinstance(obj, (int, float, bool, str)):  # numpy and jax arrays
-        arr = np.ascontiguousarray(obj)
+        arr = np.array(obj, copy=True, order="C")  # torch needs a writable buffer
         if arr.dtype.name == "bfloat16":
             return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(arr)

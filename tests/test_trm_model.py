@@ -1,0 +1,141 @@
+"""TRM parity with TinyRecursiveModels: training-mode ACT calls with carried state, eval halting,
+losses, metrics, gradients, and checkpoint import/export, against recorded upstream numbers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxport import trm
+from jaxport.trm.evaluate import reduce_eval_metrics, reduce_train_metrics, run_to_halt
+from jaxport.trm.model import loss_and_grad
+from trm_fixtures import (FIXTURES, MODEL_CASES, NUM_DEVICES, accuracy_tol, arrays, batch, case, check_call, close,
+                          loss_tol, per_group)
+
+
+@pytest.fixture(scope="module", params=MODEL_CASES)
+def loaded(request):
+    name = request.param
+    d = FIXTURES / name
+    model = trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml")
+    if NUM_DEVICES:
+        from jaxport.distributed import make_mesh, replicate
+        nnx.update(model, replicate(nnx.state(model), make_mesh(data=NUM_DEVICES)))
+    return name, model
+
+
+def test_training_calls_carry_state(loaded):
+    """Three training-mode calls: halted rows take the next batch's rows, others keep state."""
+    name, model = loaded
+    model.train()
+    _, exp = arrays(name)
+    gbs = case(name)["config"]["global_batch_size"]
+    carry = None
+    for c in range(case(name)["n_train_calls"]):
+        b = batch(name, f"train/b{c}")
+        carry = model.initial_carry(b) if carry is None else carry
+        carry, loss, metrics, outputs, all_finish = model(carry, b)
+        check_call(name, f"train/c{c}", carry, loss, metrics, outputs, all_finish, "train")
+        for metric, value in reduce_train_metrics(metrics, gbs).items():
+            expected = exp[f"train/c{c}/train_batch/{metric}"]
+            if metric.endswith("loss"):
+                close(value, expected, loss_tol(name), metric)
+            elif metric == "accuracy":
+                close(value, expected, accuracy_tol(name), metric)
+            else:
+                assert value == pytest.approx(float(expected), rel=1e-12), metric
+
+
+def test_eval_runs_to_max_steps(loaded):
+    name, model = loaded
+    model.eval()
+    _, exp = arrays(name)
+
+    def check(step, carry, loss, metrics, outputs):
+        all_finish = jnp.all(carry.halted)
+        check_call(name, f"eval/s{step}", carry, loss, metrics, outputs, all_finish, "eval")
+
+    (_, _, metrics, _), num_steps = run_to_halt(model, batch(name, "eval"), on_step=check)
+    assert num_steps == int(exp["eval/num_steps"]) == model.config.halt_max_steps
+    sums = {"all": {k: np.float32(v) for k, v in metrics.items()}}
+    for metric, value in reduce_eval_metrics(sums)["all"].items():
+        expected = exp[f"eval/evaluate/{metric}"]
+        tol = loss_tol(name) if metric.endswith("loss") else accuracy_tol(name) if metric == "accuracy" else \
+            {"atol": 0, "rtol": 1e-7}
+        close(value, expected, tol, f"eval/evaluate/{metric}")
+    model.train()
+
+
+@pytest.mark.parametrize("call", [0, 1])
+def test_gradients(loaded, call):
+    """d(loss / global_batch_size) for every parameter and for the batch's puzzle-embedding rows."""
+    name, model = loaded
+    if "grad/*, grad_call1/*" not in per_group(name):
+        pytest.skip("upstream records gradients for the float32 cases only")
+    tol = per_group(name)["grad/*, grad_call1/*"]
+    _, exp = arrays(name)
+    model.train()
+    gbs = case(name)["config"]["global_batch_size"]
+    b0 = batch(name, "train/b0")
+    carry = model.initial_carry(b0)
+    if call == 1:  # weights are unchanged between the recorded calls
+        carry, *_ = model(carry, b0)
+    step = nnx.jit(loss_and_grad, static_argnums=3)
+    _, (param_grads, row_grads) = step(model, carry, batch(name, f"train/b{call}"), gbs)
+    prefix = "grad" if call == 0 else "grad_call1"
+    flat = {".".join(str(p) for p in path): v for path, v in nnx.to_flat_state(param_grads)}
+    recorded = [k for k in exp if k.startswith(prefix + "/")]
+    assert recorded
+    for key in recorded:
+        name_in_model = key.split("model.inner.", 1)[1]
+        got = row_grads if name_in_model == "puzzle_emb.local_weights" else flat["inner." + name_in_model][...]
+        close(np.asarray(got), exp[key], tol, key)
+
+
+def test_load_resizes_puzzle_embedding():
+    """A config with more puzzle identifiers gets the saved table's row mean (upstream load_checkpoint)."""
+    name = "att_rope_f32"
+    _, exp = arrays(name)
+    n = int(exp["load_resize/num_puzzle_identifiers"])
+    d = FIXTURES / name
+    model = trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml", num_puzzle_identifiers=n)
+    close(model.inner.puzzle_emb.weights[...], exp["load_resize/puzzle_emb_weights"],
+          per_group(name)["ema/*, load_resize/*"], "load_resize")
+
+
+@pytest.mark.parametrize("name", MODEL_CASES)
+def test_save_round_trip_is_upstream_format(name, tmp_path):
+    """save -> upstream-format file with the original's keys, shapes and dtypes -> load gives the same model."""
+    import torch
+    d = FIXTURES / name
+    model = trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml")
+    out = tmp_path / "run" / "step_7"
+    trm.save_upstream_checkpoint(model, out)
+    original = torch.load(d / "step_0", map_location="cpu", weights_only=True)
+    written = torch.load(out, map_location="cpu", weights_only=True)
+    assert list(written) == list(original)
+    for key, tensor in original.items():
+        assert written[key].shape == tensor.shape and written[key].dtype == tensor.dtype, key
+        assert torch.equal(written[key], tensor), key
+    again = trm.load_upstream_checkpoint(out, out.parent / "all_config.yaml")
+    assert again.config == model.config
+    model.eval()
+    again.eval()
+    b = batch(name, "eval")
+    _, _, _, out_a, _ = model(model.initial_carry(b), b)
+    _, _, _, out_b, _ = again(again.initial_carry(b), b)
+    np.testing.assert_array_equal(np.asarray(out_a["logits"]), np.asarray(out_b["logits"]))
+
+
+def test_unrolled_and_fori_loop_cycles_agree():
+    name = "att_rope_f32"
+    d = FIXTURES / name
+    models = [trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml", unroll_cycles=u) for u in (True, False)]
+    b = batch(name, "eval")
+    logits = []
+    for m in models:
+        m.eval()
+        _, _, _, outputs, _ = m(m.initial_carry(b), b)
+        logits.append(np.asarray(outputs["logits"]))
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-5)
