@@ -40,6 +40,11 @@ def load_torch_file(path: str | os.PathLike, what: str = "checkpoint") -> dict:
     if not zipfile.is_zipfile(path):
         raise JaxportError(f"{what} file is truncated or not a PyTorch checkpoint "
                            f"(no complete torch.save zip archive): {path}")
+    # torch.load does not check the archive's CRCs, so damaged tensor bytes would load silently.
+    with zipfile.ZipFile(path) as archive:
+        damaged = archive.testzip()
+    if damaged is not None:
+        raise JaxportError(f"{what} file is corrupt or truncated: {path} (archive member {damaged} fails its CRC check)")
     torch = _torch()
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)

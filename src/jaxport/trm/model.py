@@ -16,6 +16,7 @@ from flax import nnx, struct
 
 from jaxport.nn import (Attention, Embedding, Linear, SwiGLU, rms_norm, rotary_cos_sin, swiglu_intermediate_size,
                         truncated_normal)
+from jaxport.errors import JaxportError
 from jaxport.trm.config import TRMConfig
 from jaxport.trm.losses import act_loss_and_metrics
 
@@ -168,6 +169,9 @@ class TRM(nnx.Module):
     """ACT wrapper and loss head. `train()` / `eval()` switch halting modes as in PyTorch."""
 
     def __init__(self, config: TRMConfig, *, rngs: nnx.Rngs, unroll_cycles: bool = True):
+        if config.seq_len is None and (config.mlp_t or config.pos_encodings == "learned"):
+            raise JaxportError("arch.mlp_t and learned positions have the sequence length in their weights: "
+                               "give seq_len (it comes from the dataset's dataset.json)")
         self.config = config
         self.inner = TRMInner(config, rngs)
         self.halt_rng = nnx.Rngs(halt=rngs.params())

@@ -93,15 +93,15 @@ def load_upstream_checkpoint(checkpoint_path: str | Path, config_path: str | Pat
     if num_puzzle_identifiers is not None:
         sizes["num_puzzle_identifiers"] = num_puzzle_identifiers
     config = TRMConfig.from_arch(arch, source=str(config_path), batch_size=run_config.get("global_batch_size"), **sizes)
+    check_keys(config, weights, checkpoint_path)
     model = TRM(config, rngs=nnx.Rngs(seed), unroll_cycles=unroll_cycles)
     load_state_dict(model, weights, source=checkpoint_path)
     model.source_config_yaml = yaml.safe_dump(run_config)
     return model
 
 
-def load_state_dict(model: TRM, weights: dict, source: Path) -> None:
-    """Assign upstream-named arrays (prefixes stripped) to the model, checking names and shapes."""
-    expected = upstream_keys(model.config)
+def check_keys(config: TRMConfig, weights: dict, source: Path) -> None:
+    expected = upstream_keys(config)
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
     if missing or unexpected:
@@ -110,10 +110,15 @@ def load_state_dict(model: TRM, weights: dict, source: Path) -> None:
             parts.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
         if unexpected:
             parts.append(f"unexpected {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
-        raise JaxportError(f"checkpoint {source} does not fit the config (arch mlp_t={model.config.mlp_t}, "
-                           f"pos_encodings={model.config.pos_encodings}, L_layers={model.config.L_layers}): "
+        raise JaxportError(f"checkpoint {source} does not fit the config (arch mlp_t={config.mlp_t}, "
+                           f"pos_encodings={config.pos_encodings}, L_layers={config.L_layers}): "
                            + "; ".join(parts))
-    for key in expected:
+
+
+def load_state_dict(model: TRM, weights: dict, source: Path) -> None:
+    """Assign upstream-named arrays (prefixes stripped) to the model, checking names and shapes."""
+    check_keys(model.config, weights, source)
+    for key in upstream_keys(model.config):
         variable = _variable(model, key)
         value = np.asarray(weights[key])
         want = variable[...].shape

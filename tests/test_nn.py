@@ -1,0 +1,96 @@
+"""Shared layers against PyTorch's own operators."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flax import nnx
+
+from jaxport.nn import (Attention, Linear, RMSNorm, SwiGLU, apply_rotary, dot_product_attention, rms_norm,
+                        rotary_cos_sin, swiglu_intermediate_size, truncated_normal)
+
+rng = np.random.default_rng(0)
+
+
+def test_truncated_normal_has_the_requested_std_after_truncation():
+    x = np.asarray(truncated_normal(0.5)(jax.random.key(0), (200_000,)))
+    # Upstream truncates at +-2 standard deviations of the *untruncated* normal: 2 * 0.5 / 0.8796.
+    assert abs(x.std() - 0.5) < 0.005 and 1.13 < np.abs(x).max() <= 2 * 0.5 / 0.87962566 + 1e-6
+    assert not truncated_normal(0.0)(jax.random.key(0), (3,)).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_in_float32(dtype):
+    x = rng.normal(size=(2, 5, 16)).astype(np.float32)
+    got = rms_norm(jnp.asarray(x, dtype), 1e-5)
+    assert got.dtype == dtype
+    t = torch.tensor(x).to(torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32).float()
+    want = (t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-5)).numpy()
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
+    if dtype == jnp.bfloat16:
+        return
+    weighted = RMSNorm(16, eps=1e-5)
+    weighted.weight[...] = jnp.arange(16.0)
+    np.testing.assert_allclose(weighted(jnp.asarray(x)), want * np.arange(16.0), rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_rotates_halves():
+    B, S, H, D = 2, 7, 3, 8
+    q = rng.normal(size=(B, S, H, D)).astype(np.float32)
+    cos, sin = rotary_cos_sin(D, jnp.arange(S), 10000.0)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    freqs = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], -1)
+    tq = torch.tensor(q)
+    rot = torch.cat([-tq[..., D // 2:], tq[..., : D // 2]], -1)
+    want = tq * emb.cos()[:, None] + rot * emb.sin()[:, None]
+    np.testing.assert_allclose(apply_rotary(jnp.asarray(q), cos, sin), want.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_matches_torch_sdpa_with_gqa_and_padding(causal):
+    B, S, H, K, D = 2, 6, 4, 2, 8
+    q, k, v = (rng.normal(size=(B, S, n, D)).astype(np.float32) for n in (H, K, K))
+    keep = np.ones((B, S), bool)
+    keep[0, :2] = False  # left padding in row 0
+    got = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=causal, mask=jnp.asarray(keep))
+    tq, tk, tv = (torch.tensor(a).transpose(1, 2) for a in (q, k, v))
+    tk, tv = tk.repeat_interleave(H // K, 1), tv.repeat_interleave(H // K, 1)
+    allowed = torch.tensor(keep)[:, None, None, :].expand(B, 1, S, S)
+    if causal:
+        allowed = allowed & torch.ones(S, S, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=allowed).transpose(1, 2)
+    fully_masked = ~allowed.any(-1)[:, 0]  # [B, S] query rows with no key
+    want = torch.where(fully_masked[..., None, None], 0.0, want)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5)
+
+
+def test_attention_module_fused_and_separate_projections_agree():
+    fused = Attention(16, 4, num_kv_heads=2, qkv_bias=True, rngs=nnx.Rngs(0))
+    split = Attention(16, 4, num_kv_heads=2, qkv_bias=True, fused_qkv=False, rngs=nnx.Rngs(1))
+    w, b = fused.qkv_proj.weight[...], fused.qkv_proj.bias[...]
+    for proj, rows in ((split.q_proj, slice(0, 16)), (split.k_proj, slice(16, 24)), (split.v_proj, slice(24, 32))):
+        proj.weight[...], proj.bias[...] = w[rows], b[rows]
+    split.o_proj.weight[...] = fused.o_proj.weight[...]
+    x = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    np.testing.assert_allclose(fused(x), split(x), atol=1e-6)
+
+
+def test_swiglu_matches_torch_and_rounds_like_upstream():
+    assert swiglu_intermediate_size(512, 4) == 1536
+    assert swiglu_intermediate_size(64, 4) == 256
+    assert swiglu_intermediate_size(26, 4) == 256
+    mlp = SwiGLU(16, 32, rngs=nnx.Rngs(0))
+    x = rng.normal(size=(3, 16)).astype(np.float32)
+    gate_up = torch.tensor(x) @ torch.tensor(np.asarray(mlp.gate_up_proj.weight[...])).T
+    gate, up = gate_up.chunk(2, -1)
+    want = (F.silu(gate) * up) @ torch.tensor(np.asarray(mlp.down_proj.weight[...])).T
+    np.testing.assert_allclose(mlp(jnp.asarray(x)), want.numpy(), atol=1e-5)
+
+
+def test_linear_keeps_float32_params_and_casts_at_use():
+    layer = Linear(8, 4, bias=True, rngs=nnx.Rngs(0))
+    y = layer(jnp.ones((2, 3, 8), jnp.bfloat16))
+    assert layer.weight[...].dtype == jnp.float32 and y.dtype == jnp.bfloat16 and y.shape == (2, 3, 4)
