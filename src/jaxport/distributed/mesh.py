@@ -71,9 +71,19 @@ def replicate(tree, mesh: Mesh):
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
+def _batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    return logical_sharding(mesh, "batch", *([None] * (ndim - 1)))
+
+
 def shard_batch(batch, mesh: Mesh):
-    """Put every array's leading (batch) dimension across the mesh's batch axes."""
+    """Global arrays from each process's own rows: the leading (batch) dimension is split over the
+    mesh's batch axes and every process supplies the rows its devices hold (one process: all rows)."""
     def put(x):
         x = np.asarray(x)
-        return jax.device_put(x, logical_sharding(mesh, "batch", *([None] * (x.ndim - 1))))
+        return jax.make_array_from_process_local_data(_batch_sharding(mesh, x.ndim), x)
     return jax.tree.map(put, batch)
+
+
+def shard_leading(tree, mesh: Mesh):
+    """Split the leading dimension of arrays that every process holds whole (e.g. a fresh ACT carry)."""
+    return jax.tree.map(lambda x: jax.device_put(x, _batch_sharding(mesh, x.ndim)), tree)

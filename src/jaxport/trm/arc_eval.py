@@ -90,6 +90,9 @@ class ARCEvaluator:
         q = 1.0 / (1.0 + np.exp(-np.asarray(merged["q_halt_logits"], np.float64)))
         for identifier, inp, pred, q_row in zip(identifiers[keep], np.asarray(merged["inputs"])[keep],
                                                 np.asarray(merged["preds"])[keep], q[keep]):
+            if not 0 <= identifier < len(self.identifier_map):
+                raise JaxportError(f"puzzle identifier {identifier} is not in identifiers.json ({len(self.identifier_map)} "
+                                   f"entries): the batches come from another dataset than the evaluator's")
             name = self.identifier_map[int(identifier)]
             original, to_original = inverse_augment(name)
             input_hash = grid_hash(to_original(crop(inp)))

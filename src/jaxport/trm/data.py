@@ -75,7 +75,8 @@ class PuzzleDataset:
 
     `batch` holds int32 numpy arrays `inputs` and `labels` [local_batch, seq_len] (labels equal
     to `ignore_label_id` become -100) and `puzzle_identifiers` [local_batch]. In training mode
-    each `iter()` runs one iteration; `state_dict()` / `load_state_dict()` save and restore the
+    each `iter()` runs one iteration (or finishes one left unfinished, e.g. by a restored
+    checkpoint or a `break`); `state_dict()` / `load_state_dict()` save and restore the
     position (iteration, set, place in the shuffled group order and both RNGs) so that a resumed
     run draws exactly the batches an uninterrupted one would.
     """

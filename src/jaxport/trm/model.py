@@ -188,8 +188,7 @@ class TRM(nnx.Module):
         B, L = inputs.shape
         shape = (B, L + (self.inner.num_puzzle_positions if self.config.puzzle_emb_ndim > 0 else 0),
                  self.config.hidden_size)
-        zeros = jnp.zeros(shape, self.inner.dtype)
-        return Carry(inner_carry=InnerCarry(z_H=zeros, z_L=zeros),
+        return Carry(inner_carry=InnerCarry(z_H=jnp.zeros(shape, self.inner.dtype), z_L=jnp.zeros(shape, self.inner.dtype)),
                      steps=jnp.zeros((B,), jnp.int32), halted=jnp.ones((B,), bool),
                      current_data={k: jnp.zeros_like(jnp.asarray(batch[k])) for k in BATCH_KEYS})
 

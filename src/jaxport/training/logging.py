@@ -1,0 +1,122 @@
+"""What a training run shows and leaves behind: a progress bar, metrics appended to
+`metrics.jsonl`, optional wandb/tensorboard, and a PNG of the learning curves."""
+
+import json
+import math
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from jaxport.errors import JaxportError
+
+
+class RunLogger:
+    """Only process 0 logs; the others get a silent logger (`enabled=False`)."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int, initial_step: int = 0, loggers=("jsonl",),
+                 config: dict | None = None, project: str | None = None, name: str | None = None,
+                 enabled: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.jsonl = self.run_dir / "metrics.jsonl"
+        self._wandb = self._tensorboard = None
+        self._last_time, self._last_step = time.perf_counter(), initial_step
+        if not enabled:
+            self.bar = None
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        unknown = set(loggers) - {"jsonl", "wandb", "tensorboard"}
+        if unknown:
+            raise JaxportError(f"unknown logger(s) {sorted(unknown)}: choose from jsonl, wandb, tensorboard")
+        if "wandb" in loggers:
+            try:
+                import wandb
+            except ImportError:
+                raise JaxportError("loggers=[wandb] needs `pip install wandb` "
+                                   "(WANDB_MODE=offline works without an account)") from None
+            self._wandb = wandb.init(project=project, name=name, config=config, dir=str(self.run_dir), resume="allow")
+        if "tensorboard" in loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise JaxportError("loggers=[tensorboard] needs `pip install tensorboard`") from None
+            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        metrics = {k: float(v) for k, v in metrics.items()}
+        now = time.perf_counter()
+        if step > self._last_step:
+            metrics["steps_per_s"] = (step - self._last_step) / max(now - self._last_time, 1e-9)
+        self._last_time, self._last_step = now, step
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tensorboard is not None:
+            for k, v in metrics.items():
+                self._tensorboard.add_scalar(k, v, step)
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items()
+                     if k.endswith(("lm_loss", "accuracy")) and k.startswith("train/") and "q_halt" not in k}
+            self.bar.set_postfix(shown, refresh=False)
+
+    def write(self, message: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def close(self) -> Path | None:
+        if not self.enabled:
+            return None
+        if self.bar is not None:
+            self.bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        return plot_learning_curves(self.jsonl, self.run_dir / "learning_curves.png")
+
+
+def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 6) -> Path | None:
+    """One panel per metric family (losses, accuracies, ...) against the step."""
+    if not jsonl.exists():
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, tuple[list, list]] = {}
+    for line in jsonl.read_text().splitlines():
+        row = json.loads(line)
+        for k, v in row.items():
+            if k not in ("step", "time", "steps_per_s") and isinstance(v, (int, float)) and math.isfinite(v):
+                xs, ys = series.setdefault(k, ([], []))
+                xs.append(row["step"])
+                ys.append(v)
+    groups: dict[str, list[str]] = {}
+    for name in sorted(series):
+        leaf = name.split("/")[-1]
+        kind = "loss" if leaf.endswith("loss") else "accuracy" if "accuracy" in leaf or "pass@" in leaf else leaf
+        groups.setdefault(kind, []).append(name)
+    kinds = sorted(groups, key=lambda k: (k not in ("loss", "accuracy"), k))[:max_panels]
+    if not kinds:
+        return None
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for name in groups[kind]:
+            xs, ys = series[name]
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=name)
+        ax.set_title(kind)
+        ax.set_xlabel("step")
+        if kind == "loss":
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

@@ -1,0 +1,147 @@
+"""TRM training end to end: resume after kill -9 follows the uninterrupted trajectory, 8 devices give
+the losses of 1, two processes train/checkpoint/resume, and bad input stops with one clear message."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["arch.mlp_t=True", "arch.pos_encodings=none", "arch.hidden_size=32", "arch.num_heads=2", "arch.H_cycles=2",
+        "arch.L_cycles=1", "arch.L_layers=1", "arch.halt_max_steps=3", "arch.puzzle_emb_len=1",
+        "arch.forward_dtype=float32", "arch.halt_exploration_prob=0.5", "global_batch_size=16", "lr=1e-3",
+        "lr_warmup_steps=2", "evaluators=[]", "epochs=20", "eval_interval=10", "seed=3"]
+
+
+def jaxport(*args, env=None, **kwargs):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "jaxport.cli", *args], env=env, capture_output=True, text=True,
+                          **kwargs)
+
+
+@pytest.fixture(scope="module")
+def sudoku(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "sudoku"
+    r = jaxport("trm", "build", "sudoku", "--generate", "--num-train", "48", "--num-test", "16", "--givens", "60",
+                "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "train/lm_loss" in r}
+
+
+def train_args(sudoku, run, *extra):
+    return ["trm", "train", *TINY, f"data_paths=[{sudoku}]", f"checkpoint_path={run}", *extra]
+
+
+def test_resume_after_kill_follows_the_uninterrupted_trajectory(sudoku, tmp_path):
+    straight = tmp_path / "straight"
+    r = jaxport(*train_args(sudoku, straight, "max_steps=24"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    killed = tmp_path / "killed"
+    args = train_args(sudoku, killed, "max_steps=24", "checkpoint_every_steps=3")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxport.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    ckpts = killed / "jaxport_checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (ckpts / "6").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = {int(p.name) for p in ckpts.iterdir() if p.name.isdigit()}
+    assert done and max(done) < 24, f"the run was not interrupted mid-way (checkpoints {sorted(done)})"
+    r = jaxport(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from step" in r.stdout + r.stderr
+    a, b = metrics(straight), metrics(killed)
+    assert max(b) == 24
+    for step in range(1, 25):
+        for key in ("train/lm_loss", "train/q_halt_loss", "train/accuracy", "train/steps", "train/count"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-7), (step, key)
+
+
+def test_eight_devices_give_the_losses_of_one(sudoku, tmp_path):
+    runs = {}
+    for n in (1, 8):
+        run = tmp_path / f"dev{n}"
+        r = jaxport(*train_args(sudoku, run, "max_steps=4"),
+                    env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[n] = metrics(run)
+    for step in range(1, 5):
+        for key in ("train/lm_loss", "train/q_halt_loss", "train/accuracy"):
+            assert runs[8][step][key] == pytest.approx(runs[1][step][key], rel=2e-5, abs=1e-6), (step, key)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_processes(args, timeout=600):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.cli", *args, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}) for i in range(2)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+def test_two_processes_train_checkpoint_and_resume(sudoku, tmp_path):
+    run = tmp_path / "multi"
+    two_processes(train_args(sudoku, run, "max_steps=3"))
+    assert (run / "jaxport_checkpoints" / "3").is_dir()
+    outs = two_processes(train_args(sudoku, run, "max_steps=6"))
+    assert "resumed from step 3" in outs[0][0] + outs[0][1]
+    single = tmp_path / "single"
+    r = jaxport(*train_args(sudoku, single, "max_steps=6"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = metrics(single), metrics(run)
+    for step in range(1, 7):
+        assert b[step]["train/lm_loss"] == pytest.approx(a[step]["train/lm_loss"], rel=2e-5), step
+
+
+def test_missing_data_path(tmp_path):
+    r = jaxport("trm", "train", *TINY, f"data_paths=[{tmp_path / 'nope'}]", f"checkpoint_path={tmp_path / 'r'}")
+    assert r.returncode == 1 and "data path not found" in r.stderr and "nope" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_folder_that_is_not_a_dataset(tmp_path):
+    (tmp_path / "notdata").mkdir()
+    r = jaxport("trm", "train", *TINY, f"data_paths=[{tmp_path / 'notdata'}]", f"checkpoint_path={tmp_path / 'r'}")
+    assert r.returncode == 1 and "notdata" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_config_key_lists_close_matches(sudoku, tmp_path):
+    r = jaxport(*train_args(sudoku, tmp_path / "r", "global_bach_size=8"))
+    assert r.returncode == 1 and "unknown config key 'global_bach_size'" in r.stderr
+    assert "did you mean global_batch_size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_checkpoint_from_another_architecture(sudoku, tmp_path):
+    upstream = Path(__file__).parent / "fixtures" / "trm" / "att_rope_f32" / "step_0"
+    r = jaxport(*train_args(sudoku, tmp_path / "r", f"load_checkpoint={upstream}"))
+    assert r.returncode == 1 and "does not fit the config" in r.stderr and "step_0" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(sudoku, tmp_path):
+    run = tmp_path / "nan"
+    # Adam-atan2 steps are bounded by lr * pi / 2: step 1 leaves huge but finite weights, step 2 overflows.
+    r = jaxport(*train_args(sudoku, run, "lr=1e30", "lr_warmup_steps=0", "checkpoint_every_steps=1", "max_steps=5"))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "loss is nan at step 2" in r.stderr and "last good checkpoint is step 1" in r.stderr
+    assert {p.name for p in (run / "jaxport_checkpoints").iterdir() if p.name.isdigit()} == {"1"}
