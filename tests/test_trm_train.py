@@ -46,6 +46,12 @@ def test_resume_after_kill_follows_the_uninterrupted_trajectory(sudoku, tmp_path
     straight = tmp_path / "straight"
     r = jaxport(*train_args(sudoku, straight, "max_steps=24"))
     assert r.returncode == 0, r.stderr[-3000:]
+    # `jaxport trm eval` on the saved run reproduces the run's final evaluation.
+    r = jaxport("trm", "eval", "--run", str(straight))
+    assert r.returncode == 0, r.stderr[-3000:]
+    final_eval = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()][-1]
+    for key, value in json.loads(r.stdout[r.stdout.index("{"):]).items():
+        assert value == pytest.approx(final_eval[f"eval/{key}"], rel=1e-6), key
     killed = tmp_path / "killed"
     args = train_args(sudoku, killed, "max_steps=24", "checkpoint_every_steps=3")
     proc = subprocess.Popen([sys.executable, "-m", "jaxport.cli", *args], stdout=subprocess.DEVNULL,
