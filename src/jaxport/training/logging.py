@@ -81,7 +81,18 @@ class RunLogger:
         return plot_learning_curves(self.jsonl, self.run_dir / "learning_curves.png")
 
 
-def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 6) -> Path | None:
+def _smooth(ys: list[float]) -> list[float]:
+    """Running mean over ~2% of the points: per-batch training metrics are noisy."""
+    window = max(1, len(ys) // 50)
+    if window == 1:
+        return ys
+    cumsum = [0.0]
+    for y in ys:
+        cumsum.append(cumsum[-1] + y)
+    return [(cumsum[i + 1] - cumsum[max(0, i + 1 - window)]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(ys))]
+
+
+def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 4) -> Path | None:
     """One panel per metric family (losses, accuracies, ...) against the step."""
     if not jsonl.exists():
         return None
@@ -93,7 +104,8 @@ def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 6) -> Path | 
     for line in jsonl.read_text().splitlines():
         row = json.loads(line)
         for k, v in row.items():
-            if k not in ("step", "time", "steps_per_s") and isinstance(v, (int, float)) and math.isfinite(v):
+            if k not in ("step", "time", "steps_per_s") and not k.endswith("/count") and isinstance(v, (int, float)) \
+                    and math.isfinite(v):
                 xs, ys = series.setdefault(k, ([], []))
                 xs.append(row["step"])
                 ys.append(v)
@@ -109,7 +121,7 @@ def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 6) -> Path | 
     for ax, kind in zip(axes[0], kinds):
         for name in groups[kind]:
             xs, ys = series[name]
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=name)
+            ax.plot(xs, _smooth(ys), marker="o" if len(xs) < 30 else None, markersize=3, label=name)
         ax.set_title(kind)
         ax.set_xlabel("step")
         if kind == "loss":
