@@ -1,5 +1,5 @@
 """Adam-atan2, sparse sign-SGD, the warmup+cosine schedule and EMA against numbers recorded
-from upstream TRM (tests/fixtures/trm/optim/<case>.npz, extracted from the model cases)."""
+from upstream TRM (the optimizer arrays of the model cases' expected.npz; parameters from step_0)."""
 
 from pathlib import Path
 
@@ -12,14 +12,18 @@ import pytest
 from jaxport.training import (adam_atan2, compute_lr, cosine_schedule_with_warmup_lr_lambda, ema_copy, ema_init,
                               ema_update, sparse_sign_sgd_update, warmup_cosine_schedule)
 
-OPTIM = Path(__file__).parent / "fixtures" / "trm" / "optim"
+FIXTURES = Path(__file__).parent / "fixtures" / "trm"
 CASES = ["att_rope_f32", "mlp_t_f32", "att_learned_bf16"]
 ADAM_CASES = ["att_rope_f32", "mlp_t_f32"]
 
 
 def load(case):
-    with np.load(OPTIM / f"{case}.npz") as f:
-        return {k: f[k] for k in f.files}
+    """expected.npz arrays, plus the checkpoint tensors under `checkpoint/<upstream key>`."""
+    from jaxport.checkpoint import load_torch_file
+    with np.load(FIXTURES / case / "expected.npz") as f:
+        arrays = {k: f[k] for k in f.files}
+    checkpoint = load_torch_file(FIXTURES / case / "step_0")
+    return arrays | {f"checkpoint/{k}": np.asarray(v, np.float32) for k, v in checkpoint.items()}
 
 
 def close(actual, expected, atol, rtol):
@@ -29,7 +33,8 @@ def close(actual, expected, atol, rtol):
 @pytest.mark.parametrize("case", ADAM_CASES)
 def test_adam_atan2_two_steps(case):
     e = load(case)
-    names = [k.removeprefix("checkpoint/") for k in e if k.startswith("checkpoint/")]
+    # Adam-atan2 trains the parameters: the checkpoint tensors that have gradients (not the buffers).
+    names = [k.removeprefix("checkpoint/") for k in e if k.startswith("checkpoint/") and f"grad/{k[11:]}" in e]
     params = {n: jnp.asarray(e[f"checkpoint/{n}"]) for n in names}
     b1, b2 = (float(x) for x in e["adam/betas"])
     opt = adam_atan2(float(e["adam/lr"]), b1=b1, b2=b2, weight_decay=float(e["adam/weight_decay"]))

@@ -78,10 +78,14 @@ def test_eight_devices_give_the_losses_of_one(sudoku, tmp_path):
     runs = {}
     for n in (1, 8):
         run = tmp_path / f"dev{n}"
-        r = jaxport(*train_args(sudoku, run, "max_steps=4"),
+        r = jaxport(*train_args(sudoku, run, "max_steps=4", "export_upstream=true"),
                     env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
         assert r.returncode == 0, r.stderr[-3000:]
         runs[n] = metrics(run)
+    # export_upstream=true also wrote the weights in upstream's format, which load back.
+    from jaxport import trm
+    exported = trm.load_upstream_checkpoint(tmp_path / "dev8" / "step_4", tmp_path / "dev8" / "all_config.yaml")
+    assert exported.config.hidden_size == 32 and exported.config.mlp_t
     for step in range(1, 5):
         for key in ("train/lm_loss", "train/q_halt_loss", "train/accuracy"):
             assert runs[8][step][key] == pytest.approx(runs[1][step][key], rel=2e-5, abs=1e-6), (step, key)
