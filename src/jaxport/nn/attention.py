@@ -20,35 +20,25 @@ def dot_product_attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Arra
     with no allowed key returns zeros, as PyTorch's SDPA does for fully masked rows.
     """
     B, S, H, D = q_BSHD.shape
-    K = k_BTKD.shape[2]
+    T, K = k_BTKD.shape[1], k_BTKD.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    q_BSKGD = q_BSHD.reshape(B, S, K, H // K, D)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BTKD, preferred_element_type=jnp.float32) * scale
+    if K != H:
+        # Grouped KV heads: each KV head serves H // K consecutive query heads. Repeating them keeps
+        # the plain 4-D contraction, which XLA:CPU runs markedly faster than a 5-D grouped one.
+        k_BTKD, v_BTKD = jnp.repeat(k_BTKD, H // K, axis=2), jnp.repeat(v_BTKD, H // K, axis=2)
+    scores = jnp.einsum("bshd,bthd->bhst", q_BSHD, k_BTKD, preferred_element_type=jnp.float32) * scale
     allowed = None
     if causal:
-        T = k_BTKD.shape[1]
         allowed = jnp.tril(jnp.ones((S, T), dtype=bool), k=T - S)
     if mask is not None:
-        mask = _mask_to_scores_layout(mask, K, H // K)
+        mask = {2: lambda m: m[:, None, None, :], 3: lambda m: m[:, None]}.get(mask.ndim, lambda m: m)(mask)
         allowed = mask if allowed is None else allowed & mask
     if allowed is not None:
         scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     if allowed is not None:
         probs = jnp.where(jnp.any(allowed, axis=-1, keepdims=True), probs, 0.0)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v_BTKD.dtype), v_BTKD)
-    return out.reshape(B, S, H, D)
-
-
-def _mask_to_scores_layout(mask: jax.Array, K: int, G: int) -> jax.Array:
-    """Boolean `[B, T]`, `[B, S, T]` or `[B, 1|H, S, T]` -> broadcastable to `[B, K, G, S, T]`."""
-    if mask.ndim == 2:
-        return mask[:, None, None, None, :]
-    if mask.ndim == 3:
-        return mask[:, None, None]
-    if mask.shape[1] == 1:
-        return mask[:, None]
-    return mask.reshape(mask.shape[0], K, G, *mask.shape[-2:])
+    return jnp.einsum("bhst,bthd->bshd", probs.astype(v_BTKD.dtype), v_BTKD)
 
 
 class Attention(nnx.Module):
