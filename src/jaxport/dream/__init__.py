@@ -1,0 +1,22 @@
+"""Dream / DiffuCoder masked-diffusion language models (Hugging Face format) in JAX."""
+
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+from jaxport.dream.config import DreamConfig, preset
+from jaxport.dream.generate import GenerationOutput, diffusion_generate
+from jaxport.dream.model import DreamModel
+from jaxport.dream.params import load_model, random_model
+from jaxport.dream.tokenizer import DreamTokenizer
+
+
+def load(model_dir: str | Path, dtype: str = "float32", mesh: Mesh | None = None):
+    """`(model, tokenizer)` from a Hugging Face Dream/DiffuCoder directory; `mesh` shards the weights."""
+    config = DreamConfig.from_model_dir(model_dir)
+    model = load_model(model_dir, config, dtype=dtype, mesh=mesh)
+    return model, DreamTokenizer.from_model_dir(model_dir, config)
+
+
+__all__ = ["DreamConfig", "DreamModel", "DreamTokenizer", "GenerationOutput", "diffusion_generate", "load",
+           "load_model", "preset", "random_model"]

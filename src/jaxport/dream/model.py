@@ -1,0 +1,121 @@
+"""Dream: Qwen2-style decoder blocks run bidirectionally, predicting masked tokens.
+
+Mirrors upstream `DreamModel` (Hugging Face remote code): pre-norm residual blocks,
+grouped KV heads with q/k/v biases, RoPE on position ids, float32 RMSNorm, SiLU MLP,
+final norm and an untied (or tied) `lm_head`. Parameter paths follow the checkpoint
+names (`model.layers.3.self_attn.q_proj.weight` -> `layers[3].self_attn.q_proj.weight`).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxport.dream.config import DreamConfig
+from jaxport.dream.generate import diffusion_generate, padding_inputs
+from jaxport.distributed.mesh import logical_sharding
+from jaxport.nn import Attention, Embedding, Linear, RMSNorm, SwiGLU, rotary_cos_sin
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DreamConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                                   causal=False, qkv_bias=True, fused_qkv=False, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, fused=False, rngs=rngs)
+
+    def __call__(self, x_BND, cos_sin, mask):
+        x_BND = x_BND + self.self_attn(self.input_layernorm(x_BND), cos_sin, mask)
+        return x_BND + self.mlp(self.post_attention_layernorm(x_BND))
+
+
+class DreamModel(nnx.Module):
+    """`DreamModel`: token ids -> logits over the vocabulary at every position (no shift)."""
+
+    def __init__(self, cfg: DreamConfig, *, dtype=jnp.float32, mesh: Mesh | None = None, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = dtype
+        self.mesh = mesh
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, init_std=0.02, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
+                                                                   rngs=rngs)
+
+    def hidden_states(self, input_ids_BN, mask=None, position_ids_BN=None, *, all_layers: bool = False):
+        """Final hidden states `[B, N, D]` (after the last RMSNorm).
+
+        `mask` is boolean, `[B, N]` (key padding) or `[B, 1, N, N]`; `None` attends everywhere.
+        With `all_layers`, also the list upstream's `output_hidden_states` gives: the
+        embeddings, the output of every layer but the last, then the final normed state.
+        """
+        B, N = input_ids_BN.shape
+        if position_ids_BN is None:
+            position_ids_BN = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+        # Upstream computes cos/sin in float32 and casts them to the activation dtype.
+        cos, sin = rotary_cos_sin(self.config.head_dim, position_ids_BN, self.config.rope_theta)
+        cos_sin = (cos.astype(self.dtype), sin.astype(self.dtype))
+        x_BND = self.embed_tokens(input_ids_BN)
+        states = [x_BND]
+        for layer in self.layers:
+            x_BND = layer(x_BND, cos_sin, mask)
+            states.append(x_BND)
+        x_BND = self.norm(x_BND)
+        if all_layers:
+            return x_BND, states[:-1] + [x_BND]
+        return x_BND
+
+    def head(self, h_BND: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            table = self.embed_tokens.embedding_weight[...].astype(h_BND.dtype)
+            return jnp.einsum("bnd,vd->bnv", h_BND, table)
+        return self.lm_head(h_BND)
+
+    def forward(self, input_ids_BN, attention_mask=None, position_ids_BN=None, *, output_hidden_states=False):
+        """Traceable forward. A 2-D `attention_mask` (1 = token, 0 = padding) is expanded as upstream's
+        sampler does; a 4-D boolean one is used as given, with `position_ids_BN` or `0..N-1`."""
+        B, N = input_ids_BN.shape
+        mask = attention_mask
+        if attention_mask is not None and attention_mask.ndim == 2:
+            mask, derived_positions = padding_inputs(attention_mask, B, N)
+            position_ids_BN = derived_positions if position_ids_BN is None else position_ids_BN
+        elif attention_mask is not None:
+            mask = attention_mask.astype(bool)
+        if output_hidden_states:
+            h_BND, states = self.hidden_states(input_ids_BN, mask, position_ids_BN, all_layers=True)
+            return self.head(h_BND), states
+        return self.head(self.hidden_states(input_ids_BN, mask, position_ids_BN))
+
+    def place_batch(self, *arrays):
+        """Put `[B, ...]` host arrays on the model's mesh, split over its batch axes when B divides."""
+        if self.mesh is None:
+            return [None if a is None else jnp.asarray(a) for a in arrays]
+        return [None if a is None else jax.device_put(a, batch_sharding(self.mesh, np.shape(a))) for a in arrays]
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, output_hidden_states=False):
+        """Raw logits `[B, N, V]` in the model dtype, as `DreamModel(...).logits` (compiled; position `j`
+        scores the token at `j` from the hidden state at `j`; the sampler shifts by one)."""
+        input_ids, attention_mask, position_ids = self.place_batch(
+            np.asarray(input_ids, np.int32), attention_mask, None if position_ids is None else np.asarray(position_ids, np.int32))
+        return _jit_forward(*nnx.split(self), input_ids, attention_mask, position_ids, output_hidden_states)
+
+    def diffusion_generate(self, input_ids, attention_mask=None, **kwargs):
+        """Masked-diffusion generation with upstream's arguments; see `jaxport.dream.generate`."""
+        return diffusion_generate(self, input_ids, attention_mask, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _jit_forward(graphdef, state, input_ids, attention_mask, position_ids, output_hidden_states):
+    return nnx.merge(graphdef, state).forward(input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states)
+
+
+def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:
+    sharding = logical_sharding(mesh, "batch", *([None] * (len(shape) - 1)))
+    axes = sharding.spec[0]
+    devices = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else (axes or ())))
+    return sharding if shape[0] % devices == 0 else NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,166 @@
+"""Dream forward parity with upstream DreamModel (fixtures/dream) and checkpoint loading errors."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxport import dream
+from jaxport.errors import JaxportError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dream"
+SHARDED, BF16 = FIXTURES / "tiny_sharded", FIXTURES / "tiny_bf16"
+
+
+def tolerance(case: Path, name: str) -> dict:
+    tol = json.loads((case / "case.json").read_text())["tolerances"][name]
+    return {"atol": tol["atol"], "rtol": tol["rtol"]}
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return np.load(SHARDED / "expected.npz")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dream.load(SHARDED / "model", dtype="float32")[0]
+
+
+def test_config_from_checkpoint(model):
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
+    assert cfg.mask_token_id == 423 and not cfg.tie_word_embeddings and model.lm_head is not None
+    assert model.layers[0].self_attn.q_proj.bias is not None and model.layers[0].self_attn.o_proj.bias is None
+
+
+def test_padded_logits_and_hidden_states(model, expected):
+    valid = expected["valid_positions"]
+    logits, states = model(expected["sampler_input_ids"], valid.astype(np.int32), output_hidden_states=True)
+    np.testing.assert_allclose(np.asarray(logits)[valid], expected["logits"][valid], **tolerance(SHARDED, "logits"))
+    assert len(states) == expected["hidden_states"].shape[0]
+    for got, want in zip(states, expected["hidden_states"]):
+        np.testing.assert_allclose(np.asarray(got)[valid], want[valid], **tolerance(SHARDED, "hidden_states"))
+    # pad queries attend to nothing: finite outputs, and nothing leaks into real positions
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_explicit_4d_mask_and_position_ids(model, expected):
+    valid = expected["valid_positions"]
+    logits = model(expected["sampler_input_ids"], expected["sampler_attention_mask_4d"],
+                   position_ids=expected["sampler_position_ids"])
+    np.testing.assert_allclose(np.asarray(logits)[valid], expected["logits"][valid], **tolerance(SHARDED, "logits"))
+    shifted = np.concatenate([np.asarray(logits)[:, :1], np.asarray(logits)[:, :-1]], axis=1)
+    np.testing.assert_allclose(shifted[valid], expected["logits_shifted"][valid],
+                               **tolerance(SHARDED, "logits_shifted"))
+
+
+def test_unpadded_logits(model, expected):
+    longest = expected["sampler_input_ids"][:1]
+    np.testing.assert_allclose(np.asarray(model(longest)), expected["logits_nopad"], **tolerance(SHARDED, "logits_nopad"))
+    # an all-ones mask means full attention with positions 0..N-1
+    np.testing.assert_allclose(np.asarray(model(longest, np.ones_like(longest))), expected["logits_nopad"],
+                               **tolerance(SHARDED, "logits_nopad"))
+
+
+def test_bfloat16_checkpoint():
+    expected = np.load(BF16 / "expected.npz")
+    valid = expected["valid_positions"]
+    ids, mask = expected["sampler_input_ids"], valid.astype(np.int32)
+    model_bf16, _ = dream.load(BF16 / "model", dtype="bfloat16")
+    logits = model_bf16(ids, mask)
+    assert logits.dtype == np.dtype("bfloat16")
+    np.testing.assert_allclose(np.asarray(logits, np.float32)[valid], expected["logits_bf16"][valid],
+                               **tolerance(BF16, "logits_bf16"))
+    model_f32, _ = dream.load(BF16 / "model", dtype="float32")
+    np.testing.assert_allclose(np.asarray(model_f32(ids, mask))[valid], expected["logits_f32_same_weights"][valid],
+                               **tolerance(BF16, "logits_f32_same_weights"))
+
+
+def test_single_file_checkpoint(tmp_path, expected):
+    """`model.safetensors` without an index (written by safetensors from the shards)."""
+    from safetensors.numpy import save_file
+    from jaxport.dream.params import checkpoint_files, SafetensorsFile
+    model_dir = tmp_path / "single"
+    shutil.copytree(SHARDED / "model", model_dir)
+    tensors = {name: np.asarray(SafetensorsFile(path).tensor(name)) for name, path in checkpoint_files(model_dir).items()}
+    for f in model_dir.glob("model-*.safetensors"):
+        f.unlink()
+    (model_dir / "model.safetensors.index.json").unlink()
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    single, _ = dream.load(model_dir)
+    np.testing.assert_allclose(np.asarray(single(expected["sampler_input_ids"][:1])), expected["logits_nopad"],
+                               **tolerance(SHARDED, "logits_nopad"))
+
+
+def copy_model(tmp_path) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(SHARDED / "model", target)
+    return target
+
+
+def test_missing_shard(tmp_path):
+    model_dir = copy_model(tmp_path)
+    (model_dir / "model-00003-of-00004.safetensors").unlink()
+    with pytest.raises(JaxportError, match=r"missing shard .*model-00003-of-00004\.safetensors"):
+        dream.load(model_dir)
+
+
+def test_wrong_dtype_request():
+    with pytest.raises(JaxportError, match=r"unsupported dtype 'float16'.*'float32' or 'bfloat16'"):
+        dream.load(SHARDED / "model", dtype="float16")
+
+
+def test_not_a_dream_directory(tmp_path):
+    with pytest.raises(JaxportError, match=r"is not a Dream model directory: no config.json"):
+        dream.load(tmp_path)
+    model_dir = copy_model(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JaxportError, match=r"model_type 'llama', not a Dream model"):
+        dream.load(model_dir)
+
+
+def test_shape_that_does_not_fit_config(tmp_path):
+    model_dir = copy_model(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JaxportError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight has shape \[64, 128\] "
+                                           r"but config\.json implies \[64, 96\]"):
+        dream.load(model_dir)
+
+
+def test_missing_tensor(tmp_path):
+    model_dir = copy_model(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JaxportError, match=r"checkpoint has no tensor model\.layers\.2\."):
+        dream.load(model_dir)
+
+
+def test_random_init_preset():
+    model = dream.random_model(dream.preset("tiny"), dtype="bfloat16")
+    logits = model(np.arange(10, dtype=np.int32)[None])
+    assert logits.shape == (1, 10, 512) and logits.dtype == np.dtype("bfloat16")
+    with pytest.raises(JaxportError, match=r"unknown Dream size 'huge'"):
+        dream.preset("huge")
+
+
+def test_tied_word_embeddings(tmp_path, expected):
+    """tie_word_embeddings: no lm_head tensor is read; logits are the final state times the embedding."""
+    model_dir = copy_model(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (model_dir / "config.json").write_text(json.dumps(config))
+    tied, _ = dream.load(model_dir)
+    assert tied.lm_head is None
+    ids = expected["sampler_input_ids"][:1]
+    logits, states = tied(ids, output_hidden_states=True)
+    table = np.asarray(tied.embed_tokens.embedding_weight[...])
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(states[-1]) @ table.T, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(states[-1])[0], expected["hidden_states"][-1][0], atol=2e-4, rtol=1e-4)
