@@ -1,0 +1,6 @@
+"""nanoGPT in JAX: the GPT model, GPT-2 and ckpt.pt loading, data preparation, training, sampling."""
+
+from jaxport.gpt.config import GPTConfig
+from jaxport.gpt.model import GPT, device_peak_flops, sample_probs
+
+__all__ = ["GPT", "GPTConfig", "device_peak_flops", "sample_probs"]

@@ -1,0 +1,82 @@
+"""`jaxport gpt prepare | train | sample`: nanoGPT's prepare.py, train.py and sample.py."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+
+from jaxport.errors import JaxportError
+
+USAGE = """usage: jaxport gpt <action> [options]
+
+actions:
+  prepare DATASET     write train.bin/val.bin (+ meta.pkl) like nanoGPT's data/*/prepare.py;
+                      DATASET: shakespeare_char, shakespeare (GPT-2 BPE), openwebtext
+                      (HF datasets, or --input corpus) or text (--input FILE)
+  train [CONFIG] [--key=value ...]
+                      nanoGPT's train.py: CONFIG is a preset (train_shakespeare_char, train_gpt2,
+                      finetune_shakespeare, eval_gpt2, ...) or a nanoGPT config file
+  sample [--key=value ...]
+                      nanoGPT's sample.py (--out_dir, --start, --num_samples, --max_new_tokens,
+                      --temperature, --top_k, --seed, --init_from=resume|gpt2*)
+
+`jaxport gpt <action> --help` lists an action's options and defaults."""
+
+
+def _flags_help(title: str, defaults: dict) -> str:
+    return "\n".join([title, *(f"  --{k}={v!r}" for k, v in defaults.items())])
+
+
+def prepare_main(argv: list[str]) -> int:
+    from jaxport.gpt.data import prepare
+    parser = argparse.ArgumentParser(prog="jaxport gpt prepare", description="prepare a nanoGPT data folder")
+    parser.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "openwebtext", "text"])
+    parser.add_argument("--input", help="local copy of the corpus (default: download like nanoGPT); for "
+                                        "openwebtext a .jsonl file, a .txt file or a folder of .txt files")
+    parser.add_argument("--out_dir", help="output folder (default: data/DATASET)")
+    parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"], help="for `text`")
+    parser.add_argument("--tokenizer_dir", help="folder with GPT-2's encoder.json and vocab.bpe, for offline use")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        known = [a for action in parser._actions for a in action.option_strings]
+        flag = unknown[0].split("=")[0]
+        close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+        raise JaxportError(f"unknown flag {flag}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+    prepare(args.dataset, args.out_dir, input_file=args.input, tokenizer=args.tokenizer,
+            tokenizer_dir=args.tokenizer_dir)
+    return 0
+
+
+def train_main(argv: list[str]) -> int:
+    from jaxport.gpt import train
+    from jaxport.gpt.configurator import configure
+    defaults = {**train.DEFAULTS, **train.EXTRA, "progress": sys.stderr.isatty()}
+    if any(a in ("-h", "--help") for a in argv):
+        print(_flags_help("usage: jaxport gpt train [CONFIG ...] [--key=value ...]\n\nflags and defaults:", defaults))
+        return 0
+    train.train(configure(argv, defaults))
+    return 0
+
+
+def sample_main(argv: list[str]) -> int:
+    from jaxport.gpt import sample
+    if any(a in ("-h", "--help") for a in argv):
+        print(_flags_help("usage: jaxport gpt sample [--key=value ...]\n\nflags and defaults:", sample.DEFAULTS))
+        return 0
+    return sample.main(argv)
+
+
+ACTIONS = {"prepare": prepare_main, "train": train_main, "sample": sample_main}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    action = ACTIONS.get(argv[0])
+    if action is None:
+        close = difflib.get_close_matches(argv[0], list(ACTIONS), n=1)
+        raise JaxportError(f"unknown action {argv[0]!r}" + (f"; did you mean {close[0]!r}?" if close else
+                                                               f"; use {', '.join(ACTIONS)}"))
+    return action(argv[1:])

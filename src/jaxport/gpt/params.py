@@ -1,0 +1,280 @@
+"""Checkpoint names: nanoGPT `ckpt.pt` and Hugging Face GPT-2 <-> `jaxport.gpt.GPT`.
+
+nanoGPT's state-dict keys (`transformer.h.0.attn.c_attn.weight`, ..., `lm_head.weight`)
+are HF's `GPT2LMHeadModel` keys; HF stores the four Conv1D weights as [in, out], nanoGPT
+(and jaxport) as [out, in]. The AdamW moments of a ckpt.pt are indexed by parameter
+position: first the decayed (2-D) parameters, then the others, each in named_parameters order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxport.checkpoint import load_torch_file, strip_prefix
+from jaxport.errors import JaxportError
+from jaxport.gpt.config import GPTConfig
+from jaxport.gpt.model import GPT
+
+COMPILE_PREFIX = "_orig_mod."  # torch.compile'd models save their keys under this prefix
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+GPT2_SIZES = {  # nanoGPT's from_pretrained table
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+def param_names(config: GPTConfig) -> list[str]:
+    """nanoGPT's `named_parameters()` order (the tied lm_head appears once, as wte)."""
+    suffixes = ("weight", "bias") if config.bias else ("weight",)
+    names = ["transformer.wte.weight", "transformer.wpe.weight"]
+    for i in range(config.n_layer):
+        for layer in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+            names += [f"transformer.h.{i}.{layer}.{s}" for s in suffixes]
+    return names + [f"transformer.ln_f.{s}" for s in suffixes]
+
+
+def optimizer_param_order(config: GPTConfig) -> tuple[list[str], list[str]]:
+    """(decayed, not decayed) parameter names: nanoGPT's AdamW groups (2-D and up are decayed)."""
+    names = param_names(config)
+    decay = [n for n in names if n.endswith(".weight") and ".ln_" not in n]
+    return decay, [n for n in names if n not in decay]
+
+
+def nnx_path(name: str) -> tuple:
+    """nanoGPT name -> path in `nnx.state(model)`: `transformer.h.0.ln_1.weight` -> ('h', 0, 'ln_1', 'weight');
+    wte and wpe are bare parameters (the tied head is wte itself)."""
+    parts = name.removeprefix("transformer.").split(".")
+    if parts[0] in ("wte", "wpe"):
+        return (parts[0],)
+    return tuple(int(p) if p.isdigit() else p for p in parts)
+
+
+def named_to_tree(named: dict) -> dict:
+    """{nanoGPT name: array} -> the nested dict `nnx.merge` takes (a pure state dict)."""
+    tree = {}
+    for name, value in named.items():
+        *parents, leaf = nnx_path(name)
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def tree_to_named(tree: dict, config: GPTConfig) -> dict:
+    named = {}
+    for name in param_names(config):
+        node = tree
+        for p in nnx_path(name):
+            node = node[p]
+        named[name] = node
+    return named
+
+
+def _param(model: GPT, key: str) -> nnx.Param:
+    obj = model
+    for p in nnx_path(key):
+        obj = obj[p] if isinstance(p, int) else getattr(obj, p)
+    return obj
+
+
+def model_state_dict(model: GPT) -> dict[str, np.ndarray]:
+    """nanoGPT's `model.state_dict()`: float32 numpy arrays, lm_head.weight last (= wte)."""
+    sd = {k: np.asarray(_param(model, k)[...], np.float32) for k in param_names(model.config)}
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    return sd
+
+
+def load_state_dict(model: GPT, state_dict: dict, source: str) -> GPT:
+    """Copy a nanoGPT-named state dict into `model`, checking every key and shape."""
+    sd = strip_prefix(state_dict, COMPILE_PREFIX)
+    # nanoGPT's non-flash path saves (1,1,T,T) causal-mask buffers as h.N.attn.bias.
+    sd = {k: v for k, v in sd.items() if not k.endswith(".attn.bias")}
+    expected = param_names(model.config)
+    missing = [k for k in expected if k not in sd]
+    unexpected = sorted(set(sd) - set(expected) - {"lm_head.weight"})
+    if missing or unexpected:
+        raise JaxportError(f"{source}: state dict does not fit the model (n_layer={model.config.n_layer}, "
+                           f"bias={model.config.bias}): missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+                           f"unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
+    for k in expected:
+        param, value = _param(model, k), np.asarray(sd[k])
+        if value.shape != param.shape:
+            raise JaxportError(f"{source}: {k} has shape {list(value.shape)}, the model expects {list(param.shape)}")
+        param.set_value(jnp.asarray(value, jnp.float32))
+    return model
+
+
+# -- nanoGPT ckpt.pt ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Checkpoint:
+    """What a nanoGPT ckpt.pt holds, with the model built and loaded."""
+    model: GPT
+    path: Path
+    iter_num: int
+    best_val_loss: float
+    config: dict  # the training configuration (train.py's globals)
+    optimizer: dict | None  # torch AdamW state_dict, numpy arrays
+
+
+def checkpoint_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if path.is_dir() or (not path.exists() and not path.suffix):  # a run folder
+        path = path / "ckpt.pt"
+    if not path.exists():
+        hint = "" if path.parent.exists() else f" (folder {path.parent} does not exist either)"
+        raise JaxportError(f"checkpoint not found: {path}{hint}; train one with `jaxport gpt train` "
+                           f"or point to a nanoGPT out_dir")
+    return path
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
+    path = checkpoint_path(path)
+    ckpt = load_torch_file(path, what="nanoGPT checkpoint")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        found = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise JaxportError(f"{path} is not a nanoGPT ckpt.pt: expected keys 'model' and 'model_args', found {found}")
+    return path, ckpt
+
+
+def load_checkpoint(path: str | os.PathLike, **overrides) -> Checkpoint:
+    """Read a nanoGPT ckpt.pt (or a run folder holding one). `overrides` replace model_args
+    entries, e.g. `dropout=0.1`; a larger block_size than the checkpoint's is refused."""
+    path, ckpt = read_checkpoint(path)
+    model_args = dict(ckpt["model_args"])
+    block_size = overrides.pop("block_size", None)
+    config = GPTConfig.from_model_args({**model_args, **overrides}, where=f"{path} model_args")
+    model = load_state_dict(GPT.abstract(config), ckpt["model"], str(path))
+    if block_size is not None and block_size != config.block_size:
+        if block_size > config.block_size:
+            raise JaxportError(f"block_size={block_size} is larger than the checkpoint's block_size "
+                               f"{config.block_size} ({path}); use at most {config.block_size}")
+        model.crop_block_size(block_size)
+    best = ckpt.get("best_val_loss", float("inf"))
+    return Checkpoint(model=model, path=path, iter_num=int(ckpt.get("iter_num", 0)),
+                      best_val_loss=float(np.asarray(best)), config=dict(ckpt.get("config") or {}),
+                      optimizer=ckpt.get("optimizer"))
+
+
+# -- Hugging Face GPT-2 -------------------------------------------------------------------------
+
+def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
+    """A local directory as is; a GPT-2 name (`gpt2`, `gpt2-medium`, ...) looked up in
+    `$JAXPORT_GPT2_DIR/<name>` and then the Hugging Face hub cache (`$HF_HOME`, ~/.cache/huggingface)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    name = str(name_or_path)
+    candidates = []
+    if name in GPT2_SIZES:
+        if os.environ.get("JAXPORT_GPT2_DIR"):
+            candidates.append(Path(os.environ["JAXPORT_GPT2_DIR"]) / name)
+        hub = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+        for repo in (name, f"openai-community/{name}"):
+            snapshots = hub / f"models--{repo.replace('/', '--')}" / "snapshots"
+            candidates += sorted(snapshots.glob("*")) if snapshots.is_dir() else [snapshots]
+        for c in candidates:
+            if (c / "config.json").exists():
+                return c
+    where = "; ".join(str(c) for c in candidates) or str(path)
+    raise JaxportError(f"GPT-2 weights {name!r} not found (looked in {where}). Put a Hugging Face GPT-2 "
+                       f"directory (config.json + model.safetensors) there, e.g. `huggingface-cli download "
+                       f"openai-community/{name if name in GPT2_SIZES else 'gpt2'} --local-dir DIR`, and pass "
+                       f"DIR or set JAXPORT_GPT2_DIR to its parent folder")
+
+
+def _read_hf_weights(directory: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weights = {}
+        for shard in shards:
+            weights.update(load_file(directory / shard))
+        return weights
+    if (directory / "model.safetensors").exists():
+        return load_file(directory / "model.safetensors")
+    if (directory / "pytorch_model.bin").exists():
+        return load_torch_file(directory / "pytorch_model.bin", what="GPT-2 weights")
+    raise JaxportError(f"{directory} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def hf_to_nanogpt_state_dict(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF GPT2LMHeadModel (save_pretrained: `transformer.*`) or GPT2Model (hub: bare) weights
+    -> nanoGPT keys, Conv1D weights transposed, mask buffers dropped."""
+    sd = {}
+    for key, value in weights.items():
+        key = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
+        if key.endswith((".attn.masked_bias", ".attn.bias")) and key.startswith("transformer.h."):
+            continue
+        if key.endswith(CONV1D_WEIGHTS):
+            value = value.T
+        sd[key] = np.asarray(value, np.float32)
+    return sd
+
+
+def load_pretrained(name_or_path: str | os.PathLike, override_args: dict | None = None) -> GPT:
+    override_args = dict(override_args or {})
+    others = sorted(set(override_args) - {"dropout"})
+    if others:
+        raise JaxportError(f"only dropout can be overridden for pretrained GPT-2, not {others}")
+    directory = resolve_pretrained(name_or_path)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise JaxportError(f"{directory} has no config.json; expected a Hugging Face GPT-2 directory")
+    hf = json.loads(config_file.read_text())
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise JaxportError(f"{config_file}: model_type {hf.get('model_type')!r} is not gpt2")
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+        raise JaxportError(f"{config_file}: n_inner={hf['n_inner']} differs from 4*n_embd, which nanoGPT assumes")
+    config = GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                       block_size=hf["n_positions"], vocab_size=hf["vocab_size"], bias=True,
+                       dropout=float(override_args.get("dropout", 0.0)))
+    return load_state_dict(GPT.abstract(config), hf_to_nanogpt_state_dict(_read_hf_weights(directory)), str(directory))
+
+
+# -- AdamW moments: torch state_dict <-> optax ---------------------------------------------------
+
+def torch_adamw_to_moments(optimizer: dict, config: GPTConfig, source: str) -> tuple[dict, dict, int, list]:
+    """(exp_avg by name, exp_avg_sq by name, step, param_groups) from a torch AdamW state_dict."""
+    decay, nodecay = optimizer_param_order(config)
+    order = decay + nodecay
+    state = optimizer.get("state", {})
+    groups = optimizer.get("param_groups", [])
+    if [len(g["params"]) for g in groups] != [len(decay), len(nodecay)]:
+        raise JaxportError(f"{source}: optimizer groups hold {[len(g['params']) for g in groups]} parameters, "
+                           f"the model has {len(decay)} decayed and {len(nodecay)} other ones")
+    mu, nu, steps = {}, {}, set()
+    for i, name in enumerate(order):
+        entry = state.get(i)
+        if entry is None:
+            raise JaxportError(f"{source}: optimizer state lacks parameter {i} ({name})")
+        mu[name], nu[name] = np.asarray(entry["exp_avg"]), np.asarray(entry["exp_avg_sq"])
+        steps.add(int(np.asarray(entry["step"])))
+    if len(steps) != 1:
+        raise JaxportError(f"{source}: AdamW step counts differ between parameters: {sorted(steps)}")
+    return mu, nu, steps.pop(), groups
+
+
+def torch_adamw_state_dict(mu: dict, nu: dict, step: int, config: GPTConfig, lr: float, betas, eps: float,
+                           weight_decay: float) -> dict:
+    """A torch AdamW state_dict nanoGPT's `optimizer.load_state_dict` accepts."""
+    decay, nodecay = optimizer_param_order(config)
+    state = {i: {"step": np.asarray(float(step), np.float32), "exp_avg": np.asarray(mu[n], np.float32),
+                 "exp_avg_sq": np.asarray(nu[n], np.float32)} for i, n in enumerate(decay + nodecay)}
+    group = dict(lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps), amsgrad=False,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=True)
+    groups = [{**group, "weight_decay": float(weight_decay), "params": list(range(len(decay)))},
+              {**group, "weight_decay": 0.0, "params": list(range(len(decay), len(decay) + len(nodecay)))}]
+    return {"state": state, "param_groups": groups}
