@@ -139,3 +139,16 @@ def test_unrolled_and_fori_loop_cycles_agree():
         _, _, _, outputs, _ = m(m.initial_carry(b), b)
         logits.append(np.asarray(outputs["logits"]))
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-5)
+
+
+def test_stablemax_gradient_is_finite_where_a_logit_is_one():
+    """Upstream computes stablemax in float64; in float32 the unused 1/(1-x) branch at x = 1 must not
+    poison the gradient (it did: NaN weights after a few dozen steps of Sudoku training)."""
+    from jaxport.trm.losses import stablemax_cross_entropy
+    logits = jnp.array([[1.0, -0.5, 2.0], [0.3, 1.0, -2.0]], jnp.float32)
+    labels = jnp.array([0, 2])
+    grad = jax.grad(lambda x: stablemax_cross_entropy(x, labels, labels >= 0).sum())(logits)
+    assert np.isfinite(np.asarray(grad)).all()
+    s = np.where(np.asarray(logits) < 0, 1 / (1 - np.asarray(logits, np.float64)), np.asarray(logits, np.float64) + 1)
+    expected = -np.log(s / s.sum(-1, keepdims=True))[[0, 1], [0, 2]]
+    np.testing.assert_allclose(stablemax_cross_entropy(logits, labels, labels >= 0), expected, rtol=1e-6)

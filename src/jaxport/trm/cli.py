@@ -107,6 +107,7 @@ def _demo(argv):
     parser.add_argument("--givens", type=int, default=50, help="filled cells per generated puzzle")
     parser.add_argument("--num-train", type=int, default=1000)
     parser.add_argument("--num-test", type=int, default=256)
+    parser.add_argument("--num-aug", type=int, default=0, help="shuffled copies of each training puzzle")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("overrides", nargs="*", help="extra config overrides")
@@ -115,13 +116,13 @@ def _demo(argv):
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import train
     out = Path(args.out)
-    data = out / f"sudoku-gen-{args.givens}givens"
+    data = out / f"sudoku-gen-{args.givens}givens-{args.num_train}x{args.num_aug + 1}"
     if not (data / "test" / "dataset.json").exists():
         print(f"building {args.num_train} training and {args.num_test} test Sudoku puzzles with {args.givens} givens "
               f"in {data}")
         sudoku.build_sudoku(sudoku.parser().parse_args(
             ["--generate", "--num-train", str(args.num_train), "--num-test", str(args.num_test),
-             "--givens", str(args.givens), "--output-dir", str(data)]))
+             "--givens", str(args.givens), "--num-aug", str(args.num_aug), "--output-dir", str(data)]))
     config = load_run_config(DEMO_OVERRIDES + [
         f"data_paths=[{data}]", f"epochs={args.epochs}", f"eval_interval={args.eval_interval}",
         f"checkpoint_path={out / 'run'}", "+run_name=trm-demo"] + args.overrides)

@@ -9,7 +9,10 @@ IGNORE_LABEL_ID = -100
 
 def log_stablemax(x: jax.Array, axis: int = -1) -> jax.Array:
     """log of s(x) / sum s(x) with s(x) = x + 1 for x >= 0 and 1 / (1 - x) below."""
-    s_x = jnp.where(x < 0, 1 / (1 - x + 1e-30), x + 1)
+    # Feed the 1/(1-x) branch only negative x: evaluated at x ~ 1 its float32 gradient overflows,
+    # and jnp.where turns that unused inf into a NaN gradient (upstream escapes this in float64).
+    x_neg = jnp.where(x < 0, x, 0.0)
+    s_x = jnp.where(x < 0, 1 / (1 - x_neg + 1e-30), x + 1)
     return jnp.log(s_x / jnp.sum(s_x, axis=axis, keepdims=True))
 
 
