@@ -107,7 +107,7 @@ def _demo(argv):
     parser.add_argument("--givens", type=int, default=50, help="filled cells per generated puzzle")
     parser.add_argument("--num-train", type=int, default=1000)
     parser.add_argument("--num-test", type=int, default=256)
-    parser.add_argument("--num-aug", type=int, default=0, help="shuffled copies of each training puzzle")
+    parser.add_argument("--num-aug", type=int, default=8, help="shuffled copies of each training puzzle")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("overrides", nargs="*", help="extra config overrides")
