@@ -52,6 +52,14 @@ def test_resume_after_kill_follows_the_uninterrupted_trajectory(sudoku, tmp_path
     final_eval = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()][-1]
     for key, value in json.loads(r.stdout[r.stdout.index("{"):]).items():
         assert value == pytest.approx(final_eval[f"eval/{key}"], rel=1e-6), key
+    # load_checkpoint= a jaxport run folder takes its weights (lr 0 keeps them: same evaluation).
+    finetune = tmp_path / "finetune"
+    r = jaxport(*train_args(sudoku, finetune, f"load_checkpoint={straight}", "lr=0", "puzzle_emb_lr=0", "max_steps=1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    finetune_eval = [json.loads(line) for line in (finetune / "metrics.jsonl").read_text().splitlines()][-1]
+    for key, value in final_eval.items():
+        if key.startswith("eval/"):
+            assert finetune_eval[key] == pytest.approx(value, rel=1e-6), key
     killed = tmp_path / "killed"
     args = train_args(sudoku, killed, "max_steps=24", "checkpoint_every_steps=3")
     proc = subprocess.Popen([sys.executable, "-m", "jaxport.cli", *args], stdout=subprocess.DEVNULL,

@@ -37,5 +37,14 @@ class RunCheckpoints:
                                f"{str(err).splitlines()[0][:300]}") from None
         return restored["state"], restored["meta"]
 
+    def restore_partial(self, abstract_subtree, step: int | None = None):
+        """Only the leaves named in `abstract_subtree` (e.g. a run's weights, to fine-tune from them)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise JaxportError(f"no complete checkpoint in {self.directory}")
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(abstract_subtree, partial_restore=True)))
+        return restored["state"]
+
     def close(self) -> None:
         self.manager.close()

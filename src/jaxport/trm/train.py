@@ -98,9 +98,8 @@ class Trainer:
         if (path / CHECKPOINT_SUBDIR).is_dir():
             source = RunCheckpoints(path / CHECKPOINT_SUBDIR)
             _, params, buffers, _ = nnx.split(self.model, nnx.Param, Buffer, ...)
-            abstract = {"params": params, "buffers": buffers}
-            restored = source.manager.restore(source.latest_step(), args=_partial_restore(abstract))
-            nnx.update(self.model, restored["state"]["params"], restored["state"]["buffers"])
+            restored = source.restore_partial({"params": params, "buffers": buffers})
+            nnx.update(self.model, restored["params"], restored["buffers"])
             source.close()
             return
         weights = load_torch_file(path, "load_checkpoint")
@@ -288,11 +287,6 @@ class Trainer:
         self.checkpoints.close()
         return {"step": int(host(self.state.step)), "eval": last_eval, "run_dir": str(self.run_dir),
                 "learning_curves": str(png) if png else None}
-
-
-def _partial_restore(abstract):
-    import orbax.checkpoint as ocp
-    return ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, partial_restore=True))
 
 
 def default_run_paths(config: dict) -> dict:
