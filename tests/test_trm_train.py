@@ -163,3 +163,14 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(sudoku, tmp_path):
     assert r.returncode == 1, r.stderr[-2000:]
     assert "loss is nan at step 2" in r.stderr and "last good checkpoint is step 1" in r.stderr
     assert {p.name for p in (run / "jaxport_checkpoints").iterdir() if p.name.isdigit()} == {"1"}
+
+
+def test_wandb_offline_needs_no_account(sudoku, tmp_path):
+    pytest.importorskip("wandb")  # in the test extra; optional for users
+    run = tmp_path / "wandb_run"
+    r = jaxport(*train_args(sudoku, run, "max_steps=2", "loggers=[jsonl,wandb]"),
+                env={"WANDB_MODE": "offline", "WANDB_API_KEY": "", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    offline_runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb")), offline_runs
+    assert max(metrics(run)) == 2
