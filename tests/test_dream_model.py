@@ -101,6 +101,12 @@ def copy_model(tmp_path) -> Path:
     return target
 
 
+def edit_config(model_dir, **changes):
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
 def test_missing_shard(tmp_path):
     model_dir = copy_model(tmp_path)
     (model_dir / "model-00003-of-00004.safetensors").unlink()
@@ -117,18 +123,14 @@ def test_not_a_dream_directory(tmp_path):
     with pytest.raises(JaxportError, match=r"is not a Dream model directory: no config.json"):
         dream.load(tmp_path)
     model_dir = copy_model(tmp_path)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
-    (model_dir / "config.json").write_text(json.dumps(config))
+    edit_config(model_dir, model_type="llama", architectures=["LlamaForCausalLM"])
     with pytest.raises(JaxportError, match=r"model_type 'llama', not a Dream model"):
         dream.load(model_dir)
 
 
 def test_shape_that_does_not_fit_config(tmp_path):
     model_dir = copy_model(tmp_path)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["intermediate_size"] = 96
-    (model_dir / "config.json").write_text(json.dumps(config))
+    edit_config(model_dir, intermediate_size=96)
     with pytest.raises(JaxportError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight has shape \[64, 128\] "
                                            r"but config\.json implies \[64, 96\]"):
         dream.load(model_dir)
@@ -136,9 +138,7 @@ def test_shape_that_does_not_fit_config(tmp_path):
 
 def test_missing_tensor(tmp_path):
     model_dir = copy_model(tmp_path)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["num_hidden_layers"] = 3
-    (model_dir / "config.json").write_text(json.dumps(config))
+    edit_config(model_dir, num_hidden_layers=3)
     with pytest.raises(JaxportError, match=r"checkpoint has no tensor model\.layers\.2\."):
         dream.load(model_dir)
 
@@ -154,9 +154,7 @@ def test_random_init_preset():
 def test_tied_word_embeddings(tmp_path, expected):
     """tie_word_embeddings: no lm_head tensor is read; logits are the final state times the embedding."""
     model_dir = copy_model(tmp_path)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["tie_word_embeddings"] = True
-    (model_dir / "config.json").write_text(json.dumps(config))
+    edit_config(model_dir, tie_word_embeddings=True)
     tied, _ = dream.load(model_dir)
     assert tied.lm_head is None
     ids = expected["sampler_input_ids"][:1]
