@@ -44,7 +44,7 @@ def _parse_value(raw: str):
         try:
             return number(raw)
         except ValueError:
-            pass
+            continue  # not this kind of number
     try:
         return yaml.safe_load(raw) if raw != "" else None
     except yaml.YAMLError:
