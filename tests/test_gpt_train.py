@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxport.checkpoint import load_torch_file, save_torch_file
+from jaxport.distributed import to_host
 from jaxport.gpt import train as gpt_train
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpt"
@@ -208,7 +209,7 @@ def test_data_parallel_and_fsdp_on_8_devices_equal_1_device(tmp_path):
 MULTIHOST_SCRIPT = textwrap.dedent("""
     import json, os, shutil, sys
     import numpy as np, jax
-    from jaxport.distributed import initialize
+    from jaxport.distributed import initialize, to_host
     initialize()  # from JAXPORT_COORDINATOR, JAXPORT_NUM_PROCESSES, JAXPORT_PROCESS_ID
     from jaxport.gpt import train as gpt_train
     case_dir, out = sys.argv[1], sys.argv[2]
@@ -222,7 +223,7 @@ MULTIHOST_SCRIPT = textwrap.dedent("""
         rows = slice(2 * pid, 2 * pid + 2)
         micro, norm = trainer.step(x["train_x"][it][:, rows], x["train_y"][it][:, rows],
                                    gpt_train.get_lr(300 + it, cfg))
-        losses.append(gpt_train.local_value(micro)), norms.append(float(gpt_train.local_value(norm)))
+        losses.append(to_host(micro)), norms.append(float(to_host(norm)))
     ckpt = trainer.checkpoint(302, 2.5, gpt_train.get_lr(302, cfg))
     if pid == 0:
         np.savez(out + "/multihost.npz", micro_loss=np.stack(losses), grad_norm=np.array(norms),

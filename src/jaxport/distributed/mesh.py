@@ -67,6 +67,13 @@ def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
     return NamedSharding(mesh, P(*spec))
 
 
+def to_host(x) -> np.ndarray:
+    """A replicated (or single-device) array as numpy, on any process of a multi-host run."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
 def replicate(tree, mesh: Mesh):
     return jax.device_put(tree, NamedSharding(mesh, P()))
 

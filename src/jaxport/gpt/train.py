@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxport.distributed import to_host
 from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
@@ -244,11 +245,6 @@ class Trainer:
 
 
 
-def local_value(x) -> np.ndarray:
-    """A replicated result (loss, norm) read on this process, one host or several."""
-    return np.asarray(x.addressable_data(0))
-
-
 def host_copy(tree):
     """Numpy copies of (possibly sharded, possibly multi-host) arrays; every process must call it."""
     if jax.process_count() > 1:
@@ -371,7 +367,7 @@ def train(cfg: dict) -> dict:
         for split in ("train", "val"):
             X, Y = batches.get(split, (cfg["eval_iters"],))
             losses = [trainer.eval_loss(X[k], Y[k]) for k in range(cfg["eval_iters"])]  # dispatched, then read
-            out[split] = float(np.mean([local_value(loss) for loss in losses]))
+            out[split] = float(np.mean([to_host(loss) for loss in losses]))
         return out
 
     iter_num, best_val_loss = trainer.iter_num, trainer.best_val_loss
@@ -402,7 +398,7 @@ def train(cfg: dict) -> dict:
         X, Y = batches.get("train", (accum,))  # prepared while the step runs
         steps_timed += 1
         if iter_num % cfg["log_interval"] == 0:
-            lossf = float(local_value(micro_losses)[-1])  # waits for the step; nanoGPT logs the last micro-step's loss
+            lossf = float(to_host(micro_losses)[-1])  # waits for the step; nanoGPT logs the last micro-step's loss
             t1 = time.time()
             # steps run asynchronously: time per iteration is averaged since the last log
             dt, t0, steps_timed = (t1 - t0) / steps_timed, t1, 0
@@ -412,7 +408,7 @@ def train(cfg: dict) -> dict:
             device_mfu = (f", {running_mfu * 312e12 / peak * 100:.2f}% of {kind} peak" if peak and running_mfu > 0
                           else "")
             say(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, mfu {running_mfu * 100:.2f}%{device_mfu}")
-            log({"iter": iter_num, "loss": lossf, "lr": lr, "grad_norm": float(local_value(norm)), "dt_ms": dt * 1000,
+            log({"iter": iter_num, "loss": lossf, "lr": lr, "grad_norm": float(to_host(norm)), "dt_ms": dt * 1000,
                  "mfu_a100": running_mfu})
             last["loss"] = lossf
         iter_num += 1

@@ -1,9 +1,7 @@
-"""Upstream's `evaluate` for TRM: run each batch to the last ACT step, sum the final metrics per set."""
+"""Upstream's `evaluate` for TRM: run each batch to the last ACT step, sum the final metrics per set
+(the loop over sets and evaluators is `Trainer.evaluate`)."""
 
-from collections import defaultdict
-
-import numpy as np
-
+from jaxport.distributed import to_host
 from jaxport.trm.model import TRM
 
 
@@ -20,7 +18,7 @@ def run_to_halt(model: TRM, batch: dict, on_step=None):
         if on_step is not None:
             on_step(num_steps, carry, loss, metrics, outputs)
         num_steps += 1
-        if bool(all_finish):
+        if bool(to_host(all_finish)):
             return (carry, loss, metrics, outputs), num_steps
 
 
@@ -32,22 +30,6 @@ def reduce_eval_metrics(metric_sums: dict[str, dict[str, float]]) -> dict[str, d
         count = sums.pop("count")
         reduced[set_name] = {k: v / count for k, v in sums.items()}
     return reduced
-
-
-def evaluate(model: TRM, batches) -> dict[str, dict[str, float]]:
-    """`batches` yields `(set_name, batch)`; metrics are accumulated in float32 as upstream does."""
-    was_training = model.training
-    model.eval()
-    sums: dict[str, dict[str, np.float32]] = defaultdict(dict)
-    try:
-        for set_name, batch in batches:
-            (_, _, metrics, _), _ = run_to_halt(model, batch)
-            for k, v in metrics.items():
-                sums[set_name][k] = np.float32(sums[set_name].get(k, 0)) + np.float32(v)
-    finally:
-        if was_training:
-            model.train()
-    return reduce_eval_metrics(sums)
 
 
 def reduce_train_metrics(metrics: dict, global_batch_size: int) -> dict[str, float]:

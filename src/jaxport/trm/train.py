@@ -21,13 +21,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxport.checkpoint.runs import RunCheckpoints
 from jaxport.checkpoint.torch_io import load_torch_file
-from jaxport.distributed import make_mesh, replicate, shard_batch, shard_leading
+from jaxport.distributed import make_mesh, replicate, shard_batch, shard_leading, to_host
 from jaxport.errors import JaxportError
 from jaxport.training import adam_atan2, compute_lr, ema_copy, ema_init, ema_update, sparse_sign_sgd_update
 from jaxport.training.logging import RunLogger
 from jaxport.trm import params as trm_params
 from jaxport.trm.data import PuzzleDataset
-from jaxport.trm.evaluate import reduce_eval_metrics, reduce_train_metrics
+from jaxport.trm.evaluate import reduce_eval_metrics, reduce_train_metrics, run_to_halt
 from jaxport.trm.model import TRM, Buffer, Carry, loss_and_grad
 from jaxport.trm.run_config import make_model_config
 
@@ -42,13 +42,6 @@ class TrainState:
     opt_state: optax.OptState
     ema: nnx.State | None
     carry: Carry
-
-
-def host(x) -> np.ndarray:
-    """A replicated (or single-device) array as numpy, on any process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
 
 
 class Trainer:
@@ -156,7 +149,7 @@ class Trainer:
         return jax.random.fold_in(jax.random.key(self.config["seed"]), step)
 
     def train_batch(self, batch: dict) -> dict | None:
-        step = int(host(self.state.step)) + 1  # upstream increments before computing the LR
+        step = int(to_host(self.state.step)) + 1  # upstream increments before computing the LR
         if step > self.total_steps:
             return None
         lr_args = dict(step=step, total_steps=self.total_steps, lr_warmup_steps=self.config["lr_warmup_steps"],
@@ -165,14 +158,14 @@ class Trainer:
         puzzle_lr = compute_lr(self.config["puzzle_emb_lr"], **lr_args)
         self.state, loss, metrics, weights_finite = self._train_step(
             self.state, shard_batch(batch, self.mesh), jnp.float32(lr), jnp.float32(puzzle_lr), self.halt_key(step))
-        loss = float(host(loss))
-        if not math.isfinite(loss) or not bool(host(weights_finite)):
+        loss = float(to_host(loss))
+        if not math.isfinite(loss) or not bool(to_host(weights_finite)):
             last = self.checkpoints.latest_step()
             kept = f"the last good checkpoint is step {last} in {self.checkpoints.directory}" if last is not None \
                 else "no checkpoint had been written yet"
             what = f"loss is {loss}" if not math.isfinite(loss) else "the update made the weights non-finite"
             raise JaxportError(f"{what} at step {step} (lr {lr:.3g}); training stopped; {kept}")
-        reduced = reduce_train_metrics({k: host(v) for k, v in metrics.items()}, self.gbs)
+        reduced = reduce_train_metrics({k: to_host(v) for k, v in metrics.items()}, self.gbs)
         return {f"train/{k}": v for k, v in reduced.items()} | {"train/lr": lr}
 
     # ----- evaluation
@@ -193,22 +186,17 @@ class Trainer:
             evaluator.begin_eval()
         sums: dict[str, dict[str, np.float32]] = {}
         for set_name, batch, _ in self.eval_loader:
-            global_batch = shard_batch(batch, self.mesh)
-            carry = model.initial_carry(global_batch)
-            while True:
-                carry, _, metrics, outputs, all_finish = model(carry, global_batch)
-                if bool(host(all_finish)):
-                    break
+            (_, _, metrics, outputs), _ = run_to_halt(model, shard_batch(batch, self.mesh))
             set_sums = sums.setdefault(set_name, {})
             for k, v in metrics.items():
-                set_sums[k] = np.float32(set_sums.get(k, 0)) + np.float32(host(v))
+                set_sums[k] = np.float32(set_sums.get(k, 0)) + np.float32(to_host(v))
             if self.evaluators:
                 local = {k: self._local_rows(v) for k, v in outputs.items() if k in ("q_halt_logits", "preds")}
                 local |= {k: batch[k] for k in ("inputs", "puzzle_identifiers")}
                 for evaluator in self.evaluators:
                     evaluator.update_batch(local, local)
         flat = {f"{s}/{k}": float(v) for s, m in reduce_eval_metrics(sums).items() for k, v in m.items()}
-        save_dir = self.run_dir / f"evaluator_step_{int(host(self.state.step))}"
+        save_dir = self.run_dir / f"evaluator_step_{int(to_host(self.state.step))}"
         for evaluator in self.evaluators:
             result = evaluator.result(save_dir if self.rank == 0 else None)
             if result:
@@ -224,7 +212,7 @@ class Trainer:
     # ----- checkpoints
 
     def save(self) -> int:
-        step = int(host(self.state.step))
+        step = int(to_host(self.state.step))
         if self.checkpoints.latest_step() == step:
             return step
         meta = {"step": step, "data": self.train_loader.state_dict(), "iteration": self.iteration}
@@ -249,7 +237,7 @@ class Trainer:
         config = self.config
         self.iteration = 0
         resumed = self.resume()
-        start_step = int(host(self.state.step))
+        start_step = int(to_host(self.state.step))
         max_steps = min(self.total_steps, config.get("max_steps") or self.total_steps)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +255,7 @@ class Trainer:
                 metrics = self.train_batch(batch)
                 if metrics is None:
                     break
-                step = int(host(self.state.step))
+                step = int(to_host(self.state.step))
                 logger.log(step, metrics)
                 if every and step % every == 0:
                     self.save()
@@ -277,7 +265,7 @@ class Trainer:
             if self.iteration >= config["min_eval_interval"] or stopped:
                 last_eval = self.evaluate()
                 if last_eval:
-                    step = int(host(self.state.step))
+                    step = int(to_host(self.state.step))
                     logger.log(step, {f"eval/{k}": v for k, v in last_eval.items()})
                     logger.write(f"step {step} eval: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
             self.iteration += 1
@@ -285,7 +273,7 @@ class Trainer:
                 self.save()
         png = logger.close()
         self.checkpoints.close()
-        return {"step": int(host(self.state.step)), "eval": last_eval, "run_dir": str(self.run_dir),
+        return {"step": int(to_host(self.state.step)), "eval": last_eval, "run_dir": str(self.run_dir),
                 "learning_curves": str(png) if png else None}
 
 
