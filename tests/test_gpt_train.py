@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from jaxport.checkpoint import load_torch_file, save_torch_file
-from jaxport.distributed import to_host
 from jaxport.gpt import train as gpt_train
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpt"

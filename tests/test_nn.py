@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from flax import nnx
 
-from jaxport.nn import (Attention, Linear, RMSNorm, SwiGLU, apply_rotary, dot_product_attention, rms_norm,
+from jaxport.nn import (Attention, Linear, RMSNorm, SwiGLU, apply_rotary, dot_product_attention, dropout, rms_norm,
                         rotary_cos_sin, swiglu_intermediate_size, truncated_normal)
 
 rng = np.random.default_rng(0)
@@ -65,6 +65,28 @@ def test_attention_matches_torch_sdpa_with_gqa_and_padding(causal):
     fully_masked = ~allowed.any(-1)[:, 0]  # [B, S] query rows with no key
     want = torch.where(fully_masked[..., None, None], 0.0, want)
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5)
+
+
+def test_attention_dropout_drops_probabilities_with_inverted_scaling():
+    """Values are one-hot per key, so the output rows are the (dropped) attention probabilities."""
+    B, S, H, D = 1, 4, 2, 4
+    q, k = (jnp.asarray(rng.normal(size=(B, S, H, D)), jnp.float32) for _ in range(2))
+    v = jnp.broadcast_to(jnp.eye(S, D)[None, :, None, :], (B, S, H, D))
+    probs = dot_product_attention(q, k, v, causal=True)
+    key = jax.random.key(3)
+    dropped = dot_product_attention(q, k, v, causal=True, dropout_rate=0.5, dropout_rng=key)
+    np.testing.assert_allclose(dropped, dropout(probs.transpose(0, 2, 1, 3), 0.5, key).transpose(0, 2, 1, 3), atol=1e-6)
+    assert set(np.unique(np.round(np.asarray(dropped / probs.clip(1e-30)), 5))) <= {0.0, 2.0}
+    assert (dropped == 0).sum() > (probs == 0).sum()  # some allowed keys were dropped
+    np.testing.assert_array_equal(dot_product_attention(q, k, v, causal=True, dropout_rate=0.5), probs)  # no key: eval
+
+
+def test_dropout_rate_and_scale():
+    x = jnp.ones((100_000,))
+    y = np.asarray(dropout(x, 0.25, jax.random.key(0)))
+    assert set(np.unique(y)) == {0.0, np.float32(1 / 0.75)}
+    assert abs((y == 0).mean() - 0.25) < 0.01
+    assert dropout(x, 0.25, None) is x and dropout(x, 0.0, jax.random.key(0)) is x
 
 
 def test_attention_module_fused_and_separate_projections_agree():

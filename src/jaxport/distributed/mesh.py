@@ -78,16 +78,30 @@ def replicate(tree, mesh: Mesh):
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def _batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    return logical_sharding(mesh, "batch", *([None] * (ndim - 1)))
+def fsdp_shardings(tree, mesh: Mesh):
+    """ZeRO-3 style shardings for parameters or optimizer state: the first dimension of each 2-D+
+    array is split over the mesh's `fsdp` axis where it divides evenly; everything else is replicated."""
+    ways = mesh.shape["fsdp"]
+
+    def sharding(x):
+        split = ways > 1 and np.ndim(x) >= 2 and np.shape(x)[0] % ways == 0
+        return NamedSharding(mesh, P("fsdp") if split else P())
+    return jax.tree.map(sharding, tree)
 
 
-def shard_batch(batch, mesh: Mesh):
+def _batch_sharding(mesh: Mesh, ndim: int, batch_dim: int = 0) -> NamedSharding:
+    axes = [None] * ndim
+    axes[batch_dim] = "batch"
+    return logical_sharding(mesh, *axes)
+
+
+def shard_batch(batch, mesh: Mesh, batch_dim: int = 0):
     """Global arrays from each process's own rows: the leading (batch) dimension is split over the
-    mesh's batch axes and every process supplies the rows its devices hold (one process: all rows)."""
+    mesh's batch axes and every process supplies the rows its devices hold (one process: all rows).
+    `batch_dim` names another dimension as the batch, e.g. -2 for micro-batches `[steps, B, T]`."""
     def put(x):
         x = np.asarray(x)
-        return jax.make_array_from_process_local_data(_batch_sharding(mesh, x.ndim), x)
+        return jax.make_array_from_process_local_data(_batch_sharding(mesh, x.ndim, batch_dim), x)
     return jax.tree.map(put, batch)
 
 

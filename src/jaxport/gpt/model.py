@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxport.errors import JaxportError
 from jaxport.gpt.config import GPTConfig
-from jaxport.nn import Linear
+from jaxport.nn import Linear, dot_product_attention, dropout
 
 # Dense bf16 peak FLOP/s per chip, matched against `jax.Device.device_kind` (first match wins).
 PEAK_FLOPS = (
@@ -48,13 +48,6 @@ def device_peak_flops(device=None) -> tuple[float | None, str]:
         if name.lower() in kind.lower():
             return peak, kind
     return None, kind
-
-
-def _dropout(x, rate: float, rng):
-    if rng is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -94,19 +87,11 @@ class CausalSelfAttention(nnx.Module):
             cache = (k, v)
             key_pos = jnp.arange(k.shape[1])
             allowed = key_pos[None, :] <= pos + jnp.arange(T)[:, None]  # also hides unfilled slots
-            y = _attention(q, k, v, allowed, 0.0, None)
-        else:
-            y = _attention(q, k, v, jnp.tril(jnp.ones((T, T), bool)), self.dropout, rngs[0])
-        y = _dropout(self.c_proj(y.reshape(B, T, C)), self.dropout, rngs[1])
+            y = dot_product_attention(q, k, v, mask=allowed[None])  # [1, T, block_size]: same for every row
+        else:  # nanoGPT's SDPA(is_causal=True, dropout_p=dropout if training)
+            y = dot_product_attention(q, k, v, causal=True, dropout_rate=self.dropout, dropout_rng=rngs[0])
+        y = dropout(self.c_proj(y.reshape(B, T, C)), self.dropout, rngs[1])
         return y, cache
-
-
-def _attention(q_BTHD, k_BSHD, v_BSHD, allowed_TS, dropout: float, rng):
-    scale = 1.0 / math.sqrt(q_BTHD.shape[-1])
-    scores = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD).astype(jnp.float32) * scale
-    probs = jax.nn.softmax(jnp.where(allowed_TS, scores, -jnp.inf), axis=-1)
-    probs = _dropout(probs, dropout, rng)
-    return jnp.einsum("bhts,bshd->bthd", probs.astype(v_BSHD.dtype), v_BSHD)
 
 
 class MLP(nnx.Module):
@@ -117,7 +102,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, rng=None):
         # nanoGPT's nn.GELU() is the exact erf form, not GPT-2's tanh approximation.
-        return _dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=False)), self.dropout, rng)
+        return dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=False)), self.dropout, rng)
 
 
 class Block(nnx.Module):
@@ -172,7 +157,7 @@ class GPT(nnx.Module):
         rngs = jax.random.split(rng, self.config.n_layer + 1) if rng is not None else [None] * (self.config.n_layer + 1)
         positions = pos + jnp.arange(T)
         x = (jnp.take(self.wte[...], idx_BT, axis=0) + jnp.take(self.wpe[...], positions, axis=0)).astype(self.dtype)
-        x = _dropout(x, self.config.dropout, rngs[-1])
+        x = dropout(x, self.config.dropout, rngs[-1])
         new_cache = []
         for i, block in enumerate(self.h):
             x, layer_cache = block(x, rngs[i], None if cache is None else cache[i], pos)

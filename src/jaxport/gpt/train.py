@@ -29,9 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxport.distributed import to_host
+from jaxport.distributed import fsdp_shardings, make_mesh, replicate, shard_batch, to_host
 from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
@@ -151,7 +150,7 @@ class Trainer:
         fsdp = cfg.get("fsdp", 1)
         if fsdp < 1 or len(devices) % fsdp:
             raise JaxportError(f"--fsdp={fsdp} does not divide the {len(devices)} devices")
-        self.mesh = Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), ("data", "fsdp"))
+        self.mesh = make_mesh(fsdp=fsdp, devices=devices)
         self.dtype = compute_dtype(cfg["dtype"], devices[0].platform)
         # float16 needs dynamic loss scaling, as nanoGPT's GradScaler: (scale, finite steps in a row)
         self.loss_scale = (jnp.float32(LOSS_SCALE_INIT if self.dtype == jnp.float16 else 1.0), jnp.int32(0))
@@ -169,7 +168,7 @@ class Trainer:
         self.optimizer = adamw(wd, *betas, eps)
         self.betas, self.eps, self.weight_decay = betas, eps, wd
         params = nnx.to_pure_dict(state)
-        self.params = jax.device_put(params, self._shardings(params))
+        self.params = jax.device_put(params, fsdp_shardings(params, self.mesh))
         self.opt_state = jax.jit(self.optimizer.init)(self.params)
         if moments is not None:  # torch's exp_avg, exp_avg_sq and step are optax's mu, nu and count
             mu, nu, step = moments
@@ -178,39 +177,24 @@ class Trainer:
                 mu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in mu.items()}),
                 nu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in nu.items()}))
             self.opt_state = self.opt_state._replace(inner_state=(adam, *self.opt_state.inner_state[1:]))
-        self.opt_state = jax.device_put(self.opt_state, self._shardings(self.opt_state))
-        replicated = NamedSharding(self.mesh, P())
-        self.loss_scale = jax.device_put(self.loss_scale, replicated)
+        self.opt_state = jax.device_put(self.opt_state, fsdp_shardings(self.opt_state, self.mesh))
+        self.loss_scale = replicate(self.loss_scale, self.mesh)
+        state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
         self._step = _make_train_step(self.graphdef, self.optimizer, cfg["grad_clip"], cfg["dropout"] > 0,
-                                      (self._shardings(self.params), self._shardings(self.opt_state), replicated),
-                                      loss_scaling=self.dtype == jnp.float16)
+                                      state_shardings, loss_scaling=self.dtype == jnp.float16)
         self._eval = _make_eval_step(self.graphdef)
 
     @property
     def model(self) -> GPT:
         return nnx.merge(self.graphdef, self.params)
 
-    def _shardings(self, tree):
-        """FSDP: split the first dimension of 2-D+ arrays over `fsdp` when it divides; else replicate."""
-        ways = self.mesh.shape["fsdp"]
-
-        def sharding(x):
-            split = ways > 1 and np.ndim(x) >= 2 and np.shape(x)[0] % ways == 0
-            return NamedSharding(self.mesh, P("fsdp") if split else P())
-        return jax.tree.map(sharding, tree)
-
     def _shard(self, *arrays):
-        """Batch rows over the mesh. With several processes, `arrays` are this process's rows."""
+        """Rows ([..., B, T]) over the mesh. With several processes, `arrays` are this process's rows."""
         n = self.mesh.devices.size // jax.process_count()
-        out = []
         for a in arrays:
             if a.shape[-2] % n:
                 raise JaxportError(f"batch of {a.shape[-2]} rows is not divisible by the {n} devices of the mesh")
-            sharding = NamedSharding(self.mesh, P(*([None] * (a.ndim - 2)), ("data", "fsdp"), None))
-            a = np.asarray(a, np.int32)
-            out.append(jax.device_put(a, sharding) if jax.process_count() == 1
-                       else jax.make_array_from_process_local_data(sharding, a))
-        return out
+        return shard_batch([np.asarray(a, np.int32) for a in arrays], self.mesh, batch_dim=-2)
 
     def step(self, X, Y, lr: float, rng=None):
         """One iteration on micro-batches X, Y [accum, B, T]: returns (micro losses, grad norm)
@@ -241,8 +225,6 @@ class Trainer:
         return {"model": model_sd, "optimizer": optimizer, "model_args": cfg.to_model_args(),
                 "iter_num": int(iter_num), "best_val_loss": np.asarray(best_val_loss, np.float32),
                 "config": dict(self.cfg)}
-
-
 
 
 def host_copy(tree):

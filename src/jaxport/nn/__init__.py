@@ -1,6 +1,7 @@
 """Layers shared by the model families."""
 
 from jaxport.nn.attention import Attention, dot_product_attention
+from jaxport.nn.dropout import dropout
 from jaxport.nn.initializers import truncated_normal
 from jaxport.nn.linear import Embedding, Linear
 from jaxport.nn.mlp import SwiGLU, find_multiple, swiglu_intermediate_size
@@ -8,7 +9,7 @@ from jaxport.nn.norm import RMSNorm, rms_norm
 from jaxport.nn.rotary import apply_rotary, rotary_cos_sin, rotate_half
 
 __all__ = [
-    "Attention", "dot_product_attention", "truncated_normal", "Embedding", "Linear", "SwiGLU",
+    "Attention", "dot_product_attention", "dropout", "truncated_normal", "Embedding", "Linear", "SwiGLU",
     "find_multiple", "swiglu_intermediate_size", "RMSNorm", "rms_norm", "apply_rotary",
     "rotary_cos_sin", "rotate_half",
 ]

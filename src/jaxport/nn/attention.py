@@ -6,18 +6,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxport.nn.dropout import dropout
 from jaxport.nn.linear import Linear
 from jaxport.nn.rotary import apply_rotary
 
 
 def dot_product_attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
                           causal: bool = False, mask: jax.Array | None = None,
-                          scale: float | None = None) -> jax.Array:
+                          scale: float | None = None, dropout_rate: float = 0.0,
+                          dropout_rng: jax.Array | None = None) -> jax.Array:
     """Softmax attention with `H` query heads sharing `K` key/value heads (H % K == 0).
 
     `mask` is boolean, True where a query may attend: `[B, T]` (key padding),
     `[B, S, T]` or `[B, 1|H, S, T]`. Scores and softmax are float32. A query row
     with no allowed key returns zeros, as PyTorch's SDPA does for fully masked rows.
+    With `dropout_rng`, the attention probabilities are dropped at `dropout_rate` (SDPA's
+    `dropout_p`, i.e. training); without it there is no dropout.
     """
     B, S, H, D = q_BSHD.shape
     T, K = k_BTKD.shape[1], k_BTKD.shape[2]
@@ -36,8 +40,9 @@ def dot_product_attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Arra
     if allowed is not None:
         scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    if allowed is not None:
+    if mask is not None or (causal and S > T):  # a causal band alone leaves every row a key when S <= T
         probs = jnp.where(jnp.any(allowed, axis=-1, keepdims=True), probs, 0.0)
+    probs = dropout(probs, dropout_rate, dropout_rng)
     return jnp.einsum("bhst,bthd->bshd", probs.astype(v_BTKD.dtype), v_BTKD)
 
 
