@@ -4,7 +4,7 @@ Prints one JSON object per configuration (attention / mlp_t x float32 / bfloat16
 compile time, steady-state seconds per step (median), and achieved FLOP/s from XLA's
 cost analysis. Compare with the PyTorch original's medians on the same machine.
 
-    python bench/trm_step.py [--batch 32] [--steps 5] [--loops unrolled,fori]
+    python bench/trm_step.py [--batch 32] [--steps 5] [--loops unrolled,fori] [--row-chunks N]
 """
 
 import argparse
@@ -58,10 +58,10 @@ def count_flops(config: TRMConfig, batch_size: int, batch: dict) -> float:
     return float(cost.get("flops", 0.0)) if cost else 0.0
 
 
-def bench(mixer: str, dtype: str, loop: str, batch_size: int, steps: int) -> dict:
+def bench(mixer: str, dtype: str, loop: str, batch_size: int, steps: int, row_chunks: int | None) -> dict:
     config = TRMConfig(**PAPER_SUDOKU, mlp_t=mixer == "mlp_t", forward_dtype=dtype,
                        pos_encodings="none" if mixer == "mlp_t" else "rope", batch_size=batch_size)
-    model = TRM(config, rngs=nnx.Rngs(0), unroll_cycles=loop == "unrolled")
+    model = TRM(config, rngs=nnx.Rngs(0), unroll_cycles=loop == "unrolled", row_chunks=row_chunks)
     model.train()
     batch = {k: jnp.asarray(v) for k, v in sudoku_batch(batch_size, np.random.default_rng(0)).items()}
     carry = model.initial_carry(batch)
@@ -84,7 +84,8 @@ def bench(mixer: str, dtype: str, loop: str, batch_size: int, steps: int) -> dic
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     result = {"benchmark": "trm_act_call_fwd_bwd", "mixer": mixer, "forward_dtype": dtype, "loop": loop,
-              "batch": batch_size, "compile_s": round(compile_s, 2), "step_s_median": round(step_s, 3),
+              "row_chunks": model.chunks_for(batch_size), "batch": batch_size, "compile_s": round(compile_s, 2),
+              "step_s_median": round(step_s, 3),
               "step_s_all": [round(t, 3) for t in times], "flops_per_step": flops,
               "achieved_gflops": round(flops / step_s / 1e9, 1) if flops else None}
     torch_s = TORCH_CPU_SECONDS.get((mixer, dtype))
@@ -101,6 +102,7 @@ def main():
     parser.add_argument("--mixers", default="attention,mlp_t")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--loops", default="unrolled", help="unrolled and/or fori (comma-separated)")
+    parser.add_argument("--row-chunks", type=int, default=None, help="recursion row chunks (default: the model's choice)")
     args = parser.parse_args()
     header = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "num_devices": jax.device_count(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
@@ -110,7 +112,7 @@ def main():
     for loop in args.loops.split(","):
         for mixer in args.mixers.split(","):
             for dtype in args.dtypes.split(","):
-                print(json.dumps(bench(mixer, dtype, loop, args.batch, args.steps)), flush=True)
+                print(json.dumps(bench(mixer, dtype, loop, args.batch, args.steps, args.row_chunks)), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,18 @@ from trm_fixtures import (FIXTURES, MODEL_CASES, NUM_DEVICES, accuracy_tol, arra
                           loss_tol, per_group)
 
 
-@pytest.fixture(scope="module", params=MODEL_CASES)
+# Each case as recorded, and the float32 cases again with the recursion run on two row chunks.
+LOADED = [(name, None) for name in MODEL_CASES] + [(name, 2) for name in MODEL_CASES if name.endswith("f32")]
+
+
+@pytest.fixture(scope="module", params=LOADED, ids=[f"{n}-chunks{c}" if c else n for n, c in LOADED])
 def loaded(request):
-    name = request.param
+    name, row_chunks = request.param
     d = FIXTURES / name
     model = trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml")
+    model.row_chunks = row_chunks
+    if row_chunks:
+        assert model.chunks_for(8) == row_chunks
     if NUM_DEVICES:
         from jaxport.distributed import make_mesh, replicate
         nnx.update(model, replicate(nnx.state(model), make_mesh(data=NUM_DEVICES)))
