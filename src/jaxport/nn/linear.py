@@ -33,8 +33,9 @@ def _matmul_t_bwd(residuals, g_2d):
     x_2d, w = residuals
     g_2d = g_2d.astype(x_2d.dtype)
     dx = jax.lax.dot_general(g_2d, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    dw = jax.lax.dot_general(g_2d, x_2d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx.astype(x_2d.dtype), dw.astype(w.dtype)
+    # dW as (x^T g)^T: XLA:CPU runs the [in, out]-shaped product faster, and the transpose is small.
+    dw_t = jax.lax.dot_general(x_2d, g_2d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x_2d.dtype), dw_t.T.astype(w.dtype)
 
 
 matmul_t.defvjp(_matmul_t_fwd, _matmul_t_bwd)
