@@ -39,6 +39,37 @@ def test_maze_matches_upstream_build(tmp_path):
     assert_same_tree(ROOT / "maze", tmp_path / "maze")
 
 
+@pytest.mark.parametrize("builder, repo, args", [
+    (sudoku, "sapientinc/sudoku-extreme", ["--subsample-size", "12", "--num-aug", "2", "--seed", "0"]),
+    (maze, "sapientinc/maze-30x30-hard-1k", ["--subsample-size", "4", "--aug", "--seed", "0"]),
+])
+def test_default_source_is_upstreams_hugging_face_dataset(builder, repo, args, tmp_path, monkeypatch):
+    """Without --source-dir the CSVs come from upstream's Hugging Face dataset; the download is
+    served here from the local copies of those files."""
+    import huggingface_hub
+    name = builder.__name__.rsplit(".", 1)[-1]
+    requests = []
+
+    def download(repo_id, filename, repo_type=None):
+        requests.append((repo_id, filename, repo_type))
+        return str(SOURCES / name / filename)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    builder.main(["--output-dir", str(tmp_path / name), *args])
+    assert requests == [(repo, "train.csv", "dataset"), (repo, "test.csv", "dataset")]
+    assert_same_tree(ROOT / name, tmp_path / name)
+
+
+def test_download_failure_names_the_dataset_and_the_offline_option(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(repo_id, filename, repo_type=None):
+        raise LocalEntryNotFoundError("no network")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(JaxportError, match="train.csv of the Hugging Face dataset sapientinc/sudoku-extreme.*--source-dir"):
+        sudoku.main(["--output-dir", str(tmp_path / "o")])
+
+
 def test_arc_matches_upstream_build(tmp_path):
     arc.main(["--input-file-prefix", str(SOURCES / "arc" / "arc-agi"), "--output-dir", str(tmp_path / "arc"),
               "--subsets", "training", "evaluation", "--test-set-name", "evaluation", "--num-aug", "3"])

@@ -69,6 +69,26 @@ def single_example_arrays(inputs: np.ndarray, labels: np.ndarray, group_sizes: l
     }
 
 
+def source_csv_paths(source_dir: str | None, source_repo: str) -> dict[str, Path]:
+    """`train.csv` and `test.csv`: from `source_dir` when given, else downloaded from the Hugging Face
+    dataset `source_repo` (cached by huggingface_hub), as upstream's builders do."""
+    if source_dir is not None:
+        source = Path(source_dir)
+        if not source.is_dir():
+            raise JaxportError(f"--source-dir not found: {source} (expected a folder with train.csv and test.csv)")
+        return {name: source / f"{name}.csv" for name in ("train", "test")}
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    paths = {}
+    for name in ("train", "test"):
+        try:
+            paths[name] = Path(hf_hub_download(source_repo, f"{name}.csv", repo_type="dataset"))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+            raise JaxportError(f"could not download {name}.csv of the Hugging Face dataset {source_repo} ({e}); "
+                               "without a network, pass --source-dir with local train.csv and test.csv") from None
+    return paths
+
+
 def read_puzzle_csv(path: Path) -> list[tuple[str, str, str, str]]:
     """Rows of a `source,question,answer,rating` CSV as the Hugging Face datasets ship them."""
     path = Path(path)

@@ -1,8 +1,8 @@
 """`jaxport trm build maze`: maze datasets as upstream's dataset/build_maze_dataset.py.
 
-Source: a folder with `train.csv` and `test.csv` (`source,question,answer,rating`, each grid
-a square of the characters `# SGo`: wall, open, start, goal, path), e.g. the files of the
-Hugging Face dataset sapientinc/maze-30x30-hard-1k. Tokens: PAD 0, `# SGo` -> 1..5 (vocab 6);
+Source: `train.csv` and `test.csv` (`source,question,answer,rating`, each grid a square of the
+characters `# SGo`: wall, open, start, goal, path), downloaded from the Hugging Face dataset
+`--source-repo` (upstream's default sapientinc/maze-30x30-hard-1k) or read from `--source-dir`. Tokens: PAD 0, `# SGo` -> 1..5 (vocab 6);
 `--aug` adds the 8 dihedral transforms of every training maze as one group.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxport.errors import JaxportError
-from jaxport.trm.build.common import (dihedral_transform, read_puzzle_csv, single_example_arrays, write_identifiers,
-                                      write_split)
+from jaxport.trm.build.common import (dihedral_transform, read_puzzle_csv, single_example_arrays, source_csv_paths,
+                                      write_identifiers, write_split)
 from jaxport.trm.data import PuzzleDatasetMetadata
 
 CHARSET = "# SGo"
@@ -22,7 +22,10 @@ CHARSET = "# SGo"
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxport trm build maze", add_help=add_help,
                                 description="Build a maze dataset in upstream TRM's format.")
-    p.add_argument("--source-dir", required=True, help="folder with train.csv and test.csv")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--source-repo", default="sapientinc/maze-30x30-hard-1k",
+                     help="Hugging Face dataset to download train.csv and test.csv from (the default source)")
+    src.add_argument("--source-dir", help="folder with train.csv and test.csv")
     p.add_argument("--output-dir", default="data/maze-30x30-hard-1k", help="dataset folder to write")
     p.add_argument("--subsample-size", type=int, default=None, help="keep this many random training mazes")
     p.add_argument("--aug", action="store_true", help="add the 8 dihedral transforms of each training maze")
@@ -69,12 +72,9 @@ def convert_subset(rows, set_name: str, output_dir: Path, *, subsample_size, aug
 
 
 def build_maze(args: argparse.Namespace) -> Path:
-    source, output_dir = Path(args.source_dir), Path(args.output_dir)
-    if not source.is_dir():
-        raise JaxportError(f"--source-dir not found: {source} (expected a folder with train.csv and test.csv)")
+    output_dir = Path(args.output_dir)
     rng = np.random.RandomState(args.seed)
-    for set_name in ("train", "test"):
-        csv_path = source / f"{set_name}.csv"
+    for set_name, csv_path in source_csv_paths(args.source_dir, args.source_repo).items():
         convert_subset(read_puzzle_csv(csv_path), set_name, output_dir, subsample_size=args.subsample_size,
                        aug=args.aug, rng=rng, where=str(csv_path))
     return output_dir

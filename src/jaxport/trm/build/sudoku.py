@@ -1,9 +1,10 @@
 """`jaxport trm build sudoku`: Sudoku datasets as upstream's dataset/build_sudoku_dataset.py.
 
-Source: a folder with `train.csv` and `test.csv` in the Sudoku-Extreme format
-(`source,question,answer,rating`, 81 characters per grid, `.` for a blank), e.g. the files
-of the Hugging Face dataset sapientinc/sudoku-extreme, or `--generate`, which makes valid
-puzzles with unique solutions and a chosen number of givens, offline.
+Source: `train.csv` and `test.csv` in the Sudoku-Extreme format (`source,question,answer,rating`,
+81 characters per grid, `.` for a blank), downloaded from the Hugging Face dataset
+`--source-repo` (upstream's default sapientinc/sudoku-extreme) or read from `--source-dir`;
+or `--generate`, which makes valid puzzles with unique solutions and a chosen number of givens,
+offline.
 
 Tokens: PAD 0, blank 1, digits 1..9 -> 2..10 (vocab 11), seq_len 81; labels are the full
 solution. Each training puzzle and its `--num-aug` shuffles (digit permutation, optional
@@ -17,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxport.errors import JaxportError
-from jaxport.trm.build.common import read_puzzle_csv, single_example_arrays, write_identifiers, write_split
+from jaxport.trm.build.common import (read_puzzle_csv, single_example_arrays, source_csv_paths, write_identifiers,
+                                      write_split)
 from jaxport.trm.data import PuzzleDatasetMetadata
 
 
@@ -25,7 +27,9 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxport trm build sudoku", add_help=add_help,
                                 description="Build a Sudoku dataset in upstream TRM's format.")
     p.add_argument("--output-dir", default="data/sudoku-extreme-full", help="dataset folder to write")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--source-repo", default="sapientinc/sudoku-extreme",
+                     help="Hugging Face dataset to download train.csv and test.csv from (the default source)")
     src.add_argument("--source-dir", help="folder with train.csv and test.csv (source,question,answer,rating)")
     src.add_argument("--generate", action="store_true", help="generate puzzles instead of reading CSVs")
     p.add_argument("--subsample-size", type=int, default=None, help="keep this many random training puzzles")
@@ -231,11 +235,7 @@ def build_sudoku(args: argparse.Namespace) -> Path:
         convert_subset(train_rows, "train", output_dir, where="generated train puzzles", **options)
         convert_subset(test_rows, "test", output_dir, where="generated test puzzles", **options)
     else:
-        source = Path(args.source_dir)
-        if not source.is_dir():
-            raise JaxportError(f"--source-dir not found: {source} (expected a folder with train.csv and test.csv)")
-        for set_name in ("train", "test"):
-            csv_path = source / f"{set_name}.csv"
+        for set_name, csv_path in source_csv_paths(args.source_dir, args.source_repo).items():
             convert_subset(read_puzzle_csv(csv_path), set_name, output_dir, where=str(csv_path), **options)
     return output_dir
 
