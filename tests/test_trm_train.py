@@ -165,6 +165,19 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(sudoku, tmp_path):
     assert {p.name for p in (run / "jaxport_checkpoints").iterdir() if p.name.isdigit()} == {"1"}
 
 
+def test_tensorboard_logs_the_run_metrics(sudoku, tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run = tmp_path / "tb_run"
+    r = jaxport(*train_args(sudoku, run, "max_steps=2", "loggers=[jsonl,tensorboard]"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = event_accumulator.EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    logged = metrics(run)
+    for name in ("train/lm_loss", "train/lr"):
+        assert [e.step for e in events.Scalars(name)] == sorted(logged)
+        assert events.Scalars(name)[-1].value == pytest.approx(logged[max(logged)][name], rel=1e-6)
+
+
 def test_wandb_offline_needs_no_account(sudoku, tmp_path):
     pytest.importorskip("wandb")  # in the test extra; optional for users
     run = tmp_path / "wandb_run"

@@ -40,7 +40,8 @@ class RunLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise JaxportError("loggers=[tensorboard] needs `pip install tensorboard`") from None
+                raise JaxportError("loggers=[tensorboard] needs `pip install tensorboard` and PyTorch's writer "
+                                   "(`pip install jaxport[torch]`)") from None
             self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
 
