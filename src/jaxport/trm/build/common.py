@@ -5,6 +5,7 @@ Upstream's builders draw from numpy's global legacy RNG; here each build owns a
 the same order, so `--seed S` reproduces upstream run after `np.random.seed(S)`.
 """
 
+import argparse
 import csv
 import json
 from pathlib import Path
@@ -67,6 +68,16 @@ def single_example_arrays(inputs: np.ndarray, labels: np.ndarray, group_sizes: l
         "puzzle_indices": np.arange(count + 1, dtype=np.int32),
         "puzzle_identifiers": np.zeros(count, dtype=np.int32),
     }
+
+
+def add_source_arguments(parser: argparse.ArgumentParser, default_repo: str):
+    """`--source-repo` (upstream's Hugging Face dataset, the default) or `--source-dir`, exclusive;
+    returns the group so a builder can add other sources to it."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--source-repo", default=default_repo,
+                       help="Hugging Face dataset to download train.csv and test.csv from (the default source)")
+    group.add_argument("--source-dir", help="folder with train.csv and test.csv (source,question,answer,rating)")
+    return group
 
 
 def source_csv_paths(source_dir: str | None, source_repo: str) -> dict[str, Path]:

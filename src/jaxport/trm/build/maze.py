@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxport.errors import JaxportError
-from jaxport.trm.build.common import (dihedral_transform, read_puzzle_csv, single_example_arrays, source_csv_paths,
-                                      write_identifiers, write_split)
+from jaxport.trm.build.common import (add_source_arguments, dihedral_transform, read_puzzle_csv, single_example_arrays,
+                                      source_csv_paths, write_identifiers, write_split)
 from jaxport.trm.data import PuzzleDatasetMetadata
 
 CHARSET = "# SGo"
@@ -22,10 +22,7 @@ CHARSET = "# SGo"
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxport trm build maze", add_help=add_help,
                                 description="Build a maze dataset in upstream TRM's format.")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--source-repo", default="sapientinc/maze-30x30-hard-1k",
-                     help="Hugging Face dataset to download train.csv and test.csv from (the default source)")
-    src.add_argument("--source-dir", help="folder with train.csv and test.csv")
+    add_source_arguments(p, "sapientinc/maze-30x30-hard-1k")
     p.add_argument("--output-dir", default="data/maze-30x30-hard-1k", help="dataset folder to write")
     p.add_argument("--subsample-size", type=int, default=None, help="keep this many random training mazes")
     p.add_argument("--aug", action="store_true", help="add the 8 dihedral transforms of each training maze")

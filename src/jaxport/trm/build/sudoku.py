@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxport.errors import JaxportError
-from jaxport.trm.build.common import (read_puzzle_csv, single_example_arrays, source_csv_paths, write_identifiers,
-                                      write_split)
+from jaxport.trm.build.common import (add_source_arguments, read_puzzle_csv, single_example_arrays, source_csv_paths,
+                                      write_identifiers, write_split)
 from jaxport.trm.data import PuzzleDatasetMetadata
 
 
@@ -27,10 +27,7 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxport trm build sudoku", add_help=add_help,
                                 description="Build a Sudoku dataset in upstream TRM's format.")
     p.add_argument("--output-dir", default="data/sudoku-extreme-full", help="dataset folder to write")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--source-repo", default="sapientinc/sudoku-extreme",
-                     help="Hugging Face dataset to download train.csv and test.csv from (the default source)")
-    src.add_argument("--source-dir", help="folder with train.csv and test.csv (source,question,answer,rating)")
+    src = add_source_arguments(p, "sapientinc/sudoku-extreme")
     src.add_argument("--generate", action="store_true", help="generate puzzles instead of reading CSVs")
     p.add_argument("--subsample-size", type=int, default=None, help="keep this many random training puzzles")
     p.add_argument("--min-difficulty", type=int, default=None, help="keep puzzles with rating >= this")
