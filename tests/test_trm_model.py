@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxport import trm
+from jaxport.errors import JaxportError
 from jaxport.trm.evaluate import reduce_eval_metrics, reduce_train_metrics, run_to_halt
 from jaxport.trm.model import loss_and_grad
 from trm_fixtures import (FIXTURES, MODEL_CASES, NUM_DEVICES, accuracy_tol, arrays, batch, case, check_call, close,
@@ -146,6 +147,15 @@ def test_unrolled_and_fori_loop_cycles_agree():
         _, _, _, outputs, _ = m(m.initial_carry(b), b)
         logits.append(np.asarray(outputs["logits"]))
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-5)
+
+
+def test_row_chunks_must_divide_the_batch():
+    d = FIXTURES / "att_rope_f32"
+    model = trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml")
+    model.row_chunks = 3
+    b = batch("att_rope_f32", "eval")
+    with pytest.raises(JaxportError, match="row_chunks=3 does not divide the batch of 8 rows"):
+        model(model.initial_carry(b), b)
 
 
 def test_stablemax_gradient_is_finite_where_a_logit_is_one():

@@ -161,7 +161,7 @@ class TRMInner(nnx.Module):
         x_BSD = self.input_embeddings(data["inputs"], puzzle_rows_BE)
         cos_sin = self.cos_sin(x_BSD.shape[1])
         # Rows are independent until the loss, so the recursion may run on row chunks (see
-        # TRM.row_chunks). Chunk c holds rows c, c + n, ...: a reshape, so every device keeps
+        # TRM.chunks_for). Chunk c holds rows c, c + n, ...: a reshape, so every device keeps
         # its own rows of a batch-sharded array.
         def chunk(x):  # [B, ...] -> [B // n, n, ...]
             return x.reshape(x.shape[0] // row_chunks, row_chunks, *x.shape[1:])
