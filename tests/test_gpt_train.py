@@ -208,7 +208,7 @@ def test_data_parallel_and_fsdp_on_8_devices_equal_1_device(tmp_path):
 MULTIHOST_SCRIPT = textwrap.dedent("""
     import json, os, shutil, sys
     import numpy as np, jax
-    from jaxport.distributed import initialize, to_host
+    from jaxport.distributed import fetch_replicated, initialize
     initialize()  # from JAXPORT_COORDINATOR, JAXPORT_NUM_PROCESSES, JAXPORT_PROCESS_ID
     from jaxport.gpt import train as gpt_train
     case_dir, out = sys.argv[1], sys.argv[2]
@@ -222,7 +222,7 @@ MULTIHOST_SCRIPT = textwrap.dedent("""
         rows = slice(2 * pid, 2 * pid + 2)
         micro, norm = trainer.step(x["train_x"][it][:, rows], x["train_y"][it][:, rows],
                                    gpt_train.get_lr(300 + it, cfg))
-        losses.append(to_host(micro)), norms.append(float(to_host(norm)))
+        losses.append(fetch_replicated(micro)), norms.append(float(fetch_replicated(norm)))
     ckpt = trainer.checkpoint(302, 2.5, gpt_train.get_lr(302, cfg))
     if pid == 0:
         np.savez(out + "/multihost.npz", micro_loss=np.stack(losses), grad_norm=np.array(norms),

@@ -1,50 +1,147 @@
-"""A run's own checkpoints, with orbax: the train-state pytree plus JSON metadata (step, data
-position, ...). Orbax writes each checkpoint to a temporary folder and renames it when complete,
-so a run killed at any moment leaves the previous checkpoint intact and loadable."""
+"""A run's own checkpoints, with orbax: the train-state pytree (sharded: every process writes only
+its own shards) plus JSON metadata (step, data position, RNG, ...).
 
-from pathlib import Path
+Saves are asynchronous: `save` returns once the arrays are copied off the devices, and orbax
+writes them in the background to a temporary folder that it renames when complete, so a run
+killed at any moment leaves the previous checkpoints intact. On restore, a step that cannot be
+read (truncated or missing array files, damaged metadata) is reported in one line and the next
+older step is used; a step that is readable but does not fit the model is an error of its own.
+"""
 
+import re
+import sys
+from typing import Callable
+
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxport.errors import JaxportError
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+
+
+def _shape_mismatch(saved, abstract, partial: bool = False) -> str | None:
+    """The first leaf whose path, shape or dtype differs between a checkpoint's tree metadata and the
+    abstract state, described for the user; None when they agree."""
+    saved_leaves = dict(jax.tree_util.tree_flatten_with_path(saved, is_leaf=lambda x: hasattr(x, "shape"))[0])
+    abstract_leaves = dict(jax.tree_util.tree_flatten_with_path(abstract)[0])
+    name = lambda path: jax.tree_util.keystr(path, simple=True, separator=".")  # noqa: E731
+    saved_by_name = {name(p): v for p, v in saved_leaves.items()}
+    for path, want in abstract_leaves.items():
+        key = name(path)
+        have = saved_by_name.get(key)
+        if have is None:
+            return f"it has no {key} (the model expects shape {list(want.shape)})"
+        if tuple(have.shape) != tuple(want.shape):
+            return f"{key} has shape {list(have.shape)}, the model expects {list(want.shape)}"
+    extra = sorted(set(saved_by_name) - {name(p) for p in abstract_leaves})
+    if extra and not partial:
+        return f"it holds {extra[0]}, which this model does not have"
+    return None
+
+
 class RunCheckpoints:
-    def __init__(self, directory: str | Path, max_to_keep: int | None = 3):
-        self.directory = Path(directory).absolute()
+    """Orbax checkpoints of one run in `directory` (a local path or any `etils.epath` path, e.g. gs://).
+
+    Retention: the newest `keep_last` steps are kept (None: all), and with `keep_every=K` also every
+    step divisible by K. `warn` receives one-line reports of unreadable steps."""
+
+    def __init__(self, directory, keep_last: int | None = 3, keep_every: int | None = None,
+                 warn: Callable[[str], None] | None = None):
+        self.directory = epath.Path(directory)
+        if not str(self.directory).startswith(("gs://", "s3://")):
+            self.directory = self.directory.absolute()
+        self.warn = warn or (lambda message: print(message, file=sys.stderr))
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+            self.directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep_last, keep_period=keep_every, create=True,
+                                                 enable_async_checkpointing=True))
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+        """Start saving `state` and `meta` as `step`; returns once the arrays are off the devices."""
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        """Block until every save in flight is complete on disk."""
         self.manager.wait_until_finished()
 
-    def restore(self, abstract_state, step: int | None = None):
-        """(state, meta) of `step` (default: the latest complete checkpoint). `abstract_state`
-        gives structure, shapes, dtypes and shardings (e.g. from `jax.eval_shape`)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise JaxportError(f"no complete checkpoint in {self.directory}")
+    def _restore_step(self, step: int, abstract_state, partial: bool):
+        """One step's `(state, meta)`, or None (after a one-line report) when the step cannot be read.
+        `abstract_state` may be a function of the step's meta (e.g. the model config saved in it)."""
+        where = f"checkpoint step {step} in {self.directory}"
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, TypeError) as err:
-            raise JaxportError(f"checkpoint {self.directory / str(step)} does not fit this model/config: "
-                               f"{str(err).splitlines()[0][:300]}") from None
-        return restored["state"], restored["meta"]
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            saved = self.manager.item_metadata(step)["state"]
+        except Exception as err:  # orbax raises many types for missing or damaged metadata
+            self.warn(f"{where} cannot be read (its metadata is missing or damaged: {_first_line(err)})")
+            return None
+        if callable(abstract_state):
+            abstract_state = abstract_state(meta)
+        state_args = ocp.args.PyTreeRestore(abstract_state, partial_restore=partial,
+                                            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+        mismatch = _shape_mismatch(saved, abstract_state, partial) if saved is not None else None
+        if mismatch:
+            raise JaxportError(f"{where} does not fit this model/config: {mismatch}")
+        try:
+            state = self.manager.restore(step, args=ocp.args.Composite(state=state_args))["state"]
+        except Exception as err:  # truncated/missing array files surface from tensorstore as many types
+            self.warn(f"{where} cannot be read ({_describe_read_error(err)})")
+            return None
+        return state, meta
 
-    def restore_partial(self, abstract_subtree, step: int | None = None):
-        """Only the leaves named in `abstract_subtree` (e.g. a run's weights, to fine-tune from them)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+    def restore(self, abstract_state, step: int | None = None, partial: bool = False):
+        """(state, meta) of `step`, by default of the newest intact step. `abstract_state` gives structure,
+        shapes, dtypes and shardings (e.g. `abstract_like(state)`), or is a function of the checkpoint's
+        meta that returns them (when the model's size is recorded in the meta). With `partial`, only the
+        leaves `abstract_state` names are read (e.g. a run's weights, to fine-tune or sample from them)."""
+        steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
+        if not steps:
             raise JaxportError(f"no complete checkpoint in {self.directory}")
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(abstract_subtree, partial_restore=True)))
-        return restored["state"]
+        for i, candidate in enumerate(steps):
+            restored = self._restore_step(candidate, abstract_state, partial)
+            if restored is not None:
+                if i:
+                    self.warn(f"using step {candidate} instead, the newest intact checkpoint in {self.directory}")
+                return restored
+        raise JaxportError(f"no intact checkpoint left in {self.directory}: steps {steps} all failed to read "
+                           f"(see the lines above); delete the folder to start afresh")
+
+    def __enter__(self) -> "RunCheckpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
+        """Finish the saves in flight and stop orbax's background threads."""
+        self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _describe_read_error(err: BaseException) -> str:
+    """tensorstore's messages are long and nested; keep what names the problem."""
+    text = _first_line(err)
+    for pattern, meaning in ((r"(?i)out of range|truncat|unexpected end|too short", "an array file is truncated"),
+                             (r"(?i)not found|no such file|NOT_FOUND", "an array file is missing"),
+                             (r"(?i)checksum|crc|corrupt|DATA_LOSS", "an array file is damaged")):
+        if re.search(pattern, text):
+            return f"{meaning}: {text}"
+    return text
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs with the shardings of `tree`'s arrays: what `restore` needs."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)

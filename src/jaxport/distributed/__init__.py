@@ -1,7 +1,10 @@
-"""Device meshes, logical-axis sharding rules and multi-host start-up."""
+"""Device meshes, logical-axis sharding rules, host transfers and multi-host start-up."""
 
-from jaxport.distributed.mesh import (LOGICAL_AXIS_RULES, fsdp_shardings, initialize, logical_sharding, make_mesh,
-                                      replicate, shard_batch, shard_leading, to_host)
+from jaxport.distributed.host import fetch_replicated, gather_objects, gather_to_host, local_rows
+from jaxport.distributed.launch import initialize, initialize_from_argv
+from jaxport.distributed.mesh import (LOGICAL_AXIS_RULES, fsdp_shardings, logical_sharding, make_mesh, replicate,
+                                      shard_batch, shard_leading)
 
-__all__ = ["LOGICAL_AXIS_RULES", "fsdp_shardings", "initialize", "logical_sharding", "make_mesh", "replicate",
-           "shard_batch", "shard_leading", "to_host"]
+__all__ = ["LOGICAL_AXIS_RULES", "fetch_replicated", "fsdp_shardings", "gather_objects", "gather_to_host",
+           "initialize", "initialize_from_argv", "local_rows", "logical_sharding", "make_mesh", "replicate",
+           "shard_batch", "shard_leading"]

@@ -4,8 +4,6 @@ Every family names array dimensions logically (`batch`, `embed`, `heads`, ...) a
 these rules decide which mesh axis, if any, splits them, as MaxText does.
 """
 
-import os
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -20,21 +18,6 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "model",
     "seq": None,
 }
-
-
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
-    """Start multi-host JAX. With no arguments, JAX auto-detects TPU pods and GPU clusters
-    (SLURM, Open MPI); `JAXPORT_COORDINATOR`, `JAXPORT_NUM_PROCESSES` and `JAXPORT_PROCESS_ID`
-    give an explicit coordinator (e.g. several processes on 127.0.0.1)."""
-    coordinator_address = coordinator_address or os.environ.get("JAXPORT_COORDINATOR")
-    if coordinator_address is None and num_processes is None:
-        if os.environ.get("SLURM_JOB_ID") or os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
-            jax.distributed.initialize()
-        return
-    num_processes = num_processes if num_processes is not None else int(os.environ["JAXPORT_NUM_PROCESSES"])
-    process_id = process_id if process_id is not None else int(os.environ["JAXPORT_PROCESS_ID"])
-    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1, devices=None) -> Mesh:
@@ -65,13 +48,6 @@ def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
             axes = None
         spec.append(axes)
     return NamedSharding(mesh, P(*spec))
-
-
-def to_host(x) -> np.ndarray:
-    """A replicated (or single-device) array as numpy, on any process of a multi-host run."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
 
 
 def replicate(tree, mesh: Mesh):

@@ -20,6 +20,12 @@ actions:
   sample [--key=value ...]
                       nanoGPT's sample.py (--out_dir, --start, --num_samples, --max_new_tokens,
                       --temperature, --top_k, --seed, --init_from=resume|gpt2*)
+  export [--out_dir=DIR]
+                      write DIR/ckpt.pt (nanoGPT's format) from the run's newest jaxport checkpoint
+                      (multi-host runs write only jaxport's sharded checkpoints while training)
+
+Multi-host: add --coordinator HOST:PORT --num-processes N --process-id I to train or export on each
+host (SLURM, Open MPI and TPU pods are detected without them).
 
 `jaxport gpt <action> --help` lists an action's options and defaults."""
 
@@ -55,7 +61,22 @@ def train_main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(_flags_help("usage: jaxport gpt train [CONFIG ...] [--key=value ...]\n\nflags and defaults:", defaults))
         return 0
-    train.train(configure(argv, defaults))
+    from jaxport.distributed import initialize_from_argv
+    train.train(configure(initialize_from_argv(argv), defaults))
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    from jaxport.gpt import train
+    from jaxport.gpt.configurator import configure
+    defaults = dict(out_dir="out", device="cpu")
+    if any(a in ("-h", "--help") for a in argv):
+        print(_flags_help("usage: jaxport gpt export [--out_dir=DIR] [--device=cpu]\n\nwrites DIR/ckpt.pt (nanoGPT's "
+                          "format) from the run's newest jaxport checkpoint\n\nflags and defaults:", defaults))
+        return 0
+    from jaxport.distributed import initialize_from_argv
+    cfg = configure(initialize_from_argv(argv), defaults)
+    print(f"wrote {train.export(cfg['out_dir'], cfg['device'])}")
     return 0
 
 
@@ -67,7 +88,7 @@ def sample_main(argv: list[str]) -> int:
     return sample.main(argv)
 
 
-ACTIONS = {"prepare": prepare_main, "train": train_main, "sample": sample_main}
+ACTIONS = {"prepare": prepare_main, "train": train_main, "sample": sample_main, "export": export_main}
 
 
 def main(argv: list[str]) -> int:

@@ -215,7 +215,13 @@ def load_meta(path: str | os.PathLike) -> dict | None:
 
 
 class Batches:
-    """train.py's get_batch: `batch_size` random windows of `block_size + 1` ids per call."""
+    """train.py's get_batch: `batch_size` random windows of `block_size + 1` ids per call.
+
+    Each draw has its own generator, keyed by (seed, purpose, split, draw number): a batch depends only on
+    where the run is, never on what was drawn before, so the sampler's whole state is the iteration
+    number and a resumed run draws exactly the batches of an uninterrupted one."""
+
+    PURPOSES = ("train", "eval")
 
     def __init__(self, data_dir: str | os.PathLike, block_size: int, batch_size: int, seed: int = 1337):
         self.data_dir = Path(data_dir)
@@ -228,13 +234,14 @@ class Batches:
             n = path.stat().st_size // 2
             if n <= block_size:
                 raise JaxportError(f"{path} holds {n} ids, fewer than block_size + 1 = {block_size + 1}")
-        self.block_size, self.batch_size = block_size, batch_size
-        self.rng = np.random.default_rng(seed)
+        self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
 
-    def get(self, split: str, shape: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, split: str, shape: tuple[int, ...] = (), draw: int = 0,
+            purpose: str = "train") -> tuple[np.ndarray, np.ndarray]:
         """(x, y) int32 of shape (*shape, batch_size, block_size); y is x shifted by one id."""
+        rng = np.random.default_rng([self.seed, self.PURPOSES.index(purpose), ("train", "val").index(split), draw])
         # a fresh memmap each call, as nanoGPT does, so its pages do not pile up in memory
         data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-        ix = self.rng.integers(0, len(data) - self.block_size, size=(*shape, self.batch_size))
+        ix = rng.integers(0, len(data) - self.block_size, size=(*shape, self.batch_size))
         windows = data[ix[..., None] + np.arange(self.block_size + 1)].astype(np.int32)
         return windows[..., :-1], windows[..., 1:]

@@ -214,14 +214,7 @@ class GPT(nnx.Module):
     def estimate_mfu(self, fwdbwd_per_iter: int, dt: float, peak_flops: float = A100_BF16_PEAK) -> float:
         """Model FLOPs utilisation as nanoGPT computes it (PaLM appendix B), against
         `peak_flops` (nanoGPT's A100 bf16 312 TFLOPS by default; see `device_peak_flops`)."""
-        N = self.get_num_params()
-        cfg = self.config
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * N + 12 * L * H * Q * T
-        flops_per_fwdbwd = flops_per_token * T
-        flops_per_iter = flops_per_fwdbwd * fwdbwd_per_iter
-        flops_achieved = flops_per_iter * (1.0 / dt)
-        return flops_achieved / peak_flops
+        return estimate_mfu(self.get_num_params(), self.config, fwdbwd_per_iter, dt, peak_flops)
 
     # -- generation ------------------------------------------------------------------------
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -254,6 +247,14 @@ class GPT(nnx.Module):
         or `gpt2`/`gpt2-medium`/`gpt2-large`/`gpt2-xl` resolved as params.resolve_pretrained says."""
         from jaxport.gpt.params import load_pretrained
         return load_pretrained(name_or_path, override_args)
+
+
+def estimate_mfu(num_params: int, config: GPTConfig, fwdbwd_per_iter: int, dt: float,
+                 peak_flops: float = A100_BF16_PEAK) -> float:
+    """`GPT.estimate_mfu` from a parameter count (`get_num_params()`, counted once per run)."""
+    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
+    flops_per_token = 6 * num_params + 12 * L * H * Q * T
+    return flops_per_token * T * fwdbwd_per_iter / dt / peak_flops
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -11,8 +11,7 @@ from jaxport.errors import JaxportError
 from jaxport.gpt.configurator import configure
 from jaxport.gpt.data import gpt2_encoding, load_meta
 from jaxport.gpt.model import GPT
-from jaxport.gpt.params import load_checkpoint
-from jaxport.gpt.train import compute_dtype, keep_freed_memory, select_devices
+from jaxport.gpt.train import compute_dtype, keep_freed_memory, load_trained_model, select_devices
 
 DEFAULTS = dict(
     init_from="resume",  # or gpt2, gpt2-medium, gpt2-large, gpt2-xl
@@ -63,8 +62,7 @@ def load_codec(model: GPT, train_config: dict, cfg: dict):
 def sample(cfg: dict) -> list[str]:
     devices = select_devices(cfg["device"])
     if cfg["init_from"] == "resume":
-        ckpt = load_checkpoint(cfg["out_dir"])
-        model, train_config = ckpt.model, ckpt.config
+        model, train_config = load_trained_model(cfg["out_dir"])
     elif cfg["init_from"].startswith("gpt2"):
         model, train_config = GPT.from_pretrained(cfg["init_from"], dict(dropout=0.0)), {}
     else:

@@ -30,12 +30,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxport.distributed import fsdp_shardings, make_mesh, replicate, shard_batch, to_host
+from jaxport.checkpoint.runs import abstract_like
+from jaxport.distributed import fetch_replicated, fsdp_shardings, gather_to_host, make_mesh, replicate, shard_batch
 from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
 from jaxport.gpt.data import Batches, load_meta
-from jaxport.gpt.model import GPT, device_peak_flops
+from jaxport.gpt.model import GPT, device_peak_flops, estimate_mfu
+from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
 
 # nanoGPT train.py's globals, same names and defaults (GPT-2 124M on OpenWebText).
 DEFAULTS = dict(
@@ -48,8 +50,11 @@ DEFAULTS = dict(
     decay_lr=True, warmup_iters=2000, lr_decay_iters=600000, min_lr=6e-5,
     backend="nccl", device="cuda", dtype="bfloat16", compile=True,
 )
-# jaxport's own: data root, seed, progress bar, FSDP ways (a divisor of the device count).
-EXTRA = dict(data_dir="data", seed=1337, progress=True, fsdp=1)
+# jaxport's own: data root, seed, progress bar, FSDP ways (a divisor of the device count), orbax
+# checkpoints every N iterations besides nanoGPT's eval-time saves, and how many of them to keep
+# (the newest keep_last, plus every keep_every-th iteration).
+EXTRA = dict(data_dir="data", seed=1337, progress=True, fsdp=1, checkpoint_interval=None, keep_last=3,
+             keep_every=None)
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # torch.amp.GradScaler's defaults, which nanoGPT uses for float16
 LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000
@@ -114,10 +119,14 @@ def adamw(weight_decay: float, beta1: float, beta2: float, eps: float = 1e-8):
         mask=lambda tree: jax.tree.map(lambda p: p.ndim >= 2, tree))
 
 
-def initial_model(cfg: dict, vocab_size: int | None) -> tuple[GPT, gpt_params.Checkpoint | None]:
-    """train.py's init_from: a new model, the run's ckpt.pt (returned too), or GPT-2 weights."""
+def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = None
+                  ) -> tuple[GPT, gpt_params.Checkpoint | None]:
+    """train.py's init_from: a new model, the run's ckpt.pt (returned too), or GPT-2 weights. With
+    `model_args` (a jaxport run's own checkpoint, restored afterwards) a model of that size."""
     init_from, ckpt = cfg["init_from"], None
-    if init_from == "scratch":
+    if model_args is not None:
+        model = GPT.init(GPTConfig(**{**model_args, "dropout": cfg["dropout"]}), seed=cfg["seed"])
+    elif init_from == "scratch":
         model_args = dict(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
                           block_size=cfg["block_size"], bias=cfg["bias"], dropout=cfg["dropout"],
                           vocab_size=vocab_size if vocab_size is not None else 50304)
@@ -144,7 +153,8 @@ def initial_model(cfg: dict, vocab_size: int | None) -> tuple[GPT, gpt_params.Ch
 class Trainer:
     """Model, optimizer state and the compiled steps of one run (init_from scratch/resume/gpt2*)."""
 
-    def __init__(self, cfg: dict, vocab_size: int | None = None, devices=None):
+    def __init__(self, cfg: dict, vocab_size: int | None = None, devices=None, resume_meta: dict | None = None):
+        """`resume_meta`: the meta of a jaxport run's orbax checkpoint, whose state `load_state` restores."""
         self.cfg = cfg
         devices = select_devices(cfg["device"]) if devices is None else devices
         fsdp = cfg.get("fsdp", 1)
@@ -154,9 +164,12 @@ class Trainer:
         self.dtype = compute_dtype(cfg["dtype"], devices[0].platform)
         # float16 needs dynamic loss scaling, as nanoGPT's GradScaler: (scale, finite steps in a row)
         self.loss_scale = (jnp.float32(LOSS_SCALE_INIT if self.dtype == jnp.float16 else 1.0), jnp.int32(0))
-        model, ckpt = initial_model(cfg, vocab_size)
+        model, ckpt = initial_model(cfg, vocab_size, resume_meta and resume_meta["model_args"])
         self.iter_num, self.best_val_loss = (ckpt.iter_num, ckpt.best_val_loss) if ckpt else (0, 1e9)
         betas, eps, wd = (cfg["beta1"], cfg["beta2"]), 1e-8, cfg["weight_decay"]
+        if resume_meta is not None:  # as torch's optimizer.load_state_dict, the saved hyperparameters
+            (betas, eps, wd), self.iter_num = resume_meta["adamw"], resume_meta["iter_num"]
+            self.best_val_loss = resume_meta["best_val_loss"]
         moments = None
         if ckpt is not None and ckpt.optimizer is not None:
             *moments, groups = gpt_params.torch_adamw_to_moments(ckpt.optimizer, model.config, str(ckpt.path))
@@ -188,6 +201,19 @@ class Trainer:
     def model(self) -> GPT:
         return nnx.merge(self.graphdef, self.params)
 
+    # -- the run's own (orbax) checkpoints: the whole train state, sharded as it lives on the devices
+    def state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state, "loss_scale": self.loss_scale}
+
+    def load_state(self, state: dict) -> None:
+        self.params, self.opt_state, self.loss_scale = state["params"], state["opt_state"], state["loss_scale"]
+
+    def checkpoint_meta(self, iter_num: int, best_val_loss: float) -> dict:
+        """What resuming needs beside the arrays (JSON)."""
+        return {"iter_num": int(iter_num), "best_val_loss": float(best_val_loss),
+                "model_args": self.model_config.to_model_args(), "config": dict(self.cfg),
+                "adamw": [list(self.betas), self.eps, self.weight_decay]}
+
     def _shard(self, *arrays):
         """Rows ([..., B, T]) over the mesh. With several processes, `arrays` are this process's rows."""
         n = self.mesh.devices.size // jax.process_count()
@@ -215,7 +241,7 @@ class Trainer:
     def checkpoint(self, iter_num: int, best_val_loss: float, lr: float) -> dict:
         """The dict nanoGPT's train.py saves as ckpt.pt."""
         adam = self.adam_state()
-        params, mu, nu, step = host_copy((self.params, adam.mu, adam.nu, adam.count))
+        params, mu, nu, step = gather_to_host((self.params, adam.mu, adam.nu, adam.count))
         cfg = self.model_config
         model_sd = {k: np.asarray(v, np.float32) for k, v in gpt_params.tree_to_named(params, cfg).items()}
         model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]
@@ -225,14 +251,6 @@ class Trainer:
         return {"model": model_sd, "optimizer": optimizer, "model_args": cfg.to_model_args(),
                 "iter_num": int(iter_num), "best_val_loss": np.asarray(best_val_loss, np.float32),
                 "config": dict(self.cfg)}
-
-
-def host_copy(tree):
-    """Numpy copies of (possibly sharded, possibly multi-host) arrays; every process must call it."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        return multihost_utils.process_allgather(tree, tiled=True)
-    return jax.device_get(tree)
 
 
 def _make_train_step(graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool):
@@ -291,11 +309,76 @@ def data_folder(cfg: dict) -> Path:
     return Path(cfg["data_dir"]) / cfg["dataset"]
 
 
+def write_nanogpt_checkpoint(trainer: Trainer, out_dir: Path, iter_num: int, best_val_loss: float, lr: float) -> None:
+    """nanoGPT's ckpt.pt (every array gathered to one host), written atomically by process 0."""
+    from jaxport.checkpoint import save_torch_file
+    ckpt = trainer.checkpoint(iter_num, best_val_loss, lr)  # a collective: every process
+    if jax.process_index() == 0:
+        save_torch_file(ckpt, out_dir / "ckpt.pt")
+
+
+def restore_trainer(checkpoints, run_config, devices, vocab_size: int | None = None) -> Trainer | None:
+    """A Trainer holding the newest intact orbax checkpoint of a jaxport run, or None if it has none.
+    `run_config(meta)` gives the training config given the checkpoint's meta."""
+    if checkpoints.latest_step() is None:
+        return None
+    trainer = None
+
+    def abstract_state(meta):  # the model's size is in the checkpoint's meta
+        nonlocal trainer
+        trainer = Trainer(run_config(meta), vocab_size=vocab_size, devices=devices, resume_meta=meta)
+        return abstract_like(trainer.state())
+
+    state, _ = checkpoints.restore(abstract_state)
+    trainer.load_state(state)
+    return trainer
+
+
+def load_trained_model(out_dir) -> tuple[GPT, dict]:
+    """(model, training config) of a run: from its newest intact jaxport checkpoint, else from its
+    ckpt.pt (a nanoGPT run, or nanoGPT's file written beside jaxport's)."""
+    out_dir = Path(out_dir)
+    if (out_dir / CHECKPOINT_SUBDIR).is_dir():
+        with run_checkpoints(out_dir) as checkpoints:
+            if checkpoints.latest_step() is not None:
+                graphdef = None
+
+                def abstract_params(meta):
+                    nonlocal graphdef
+                    graphdef, state = nnx.split(GPT.abstract(GPTConfig(**meta["model_args"])))
+                    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                    return {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                                                   nnx.to_pure_dict(state))}
+
+                state, meta = checkpoints.restore(abstract_params, partial=True)
+                return nnx.merge(graphdef, state["params"]), meta["config"]
+    ckpt = gpt_params.load_checkpoint(out_dir)
+    return ckpt.model, ckpt.config
+
+
+def export(out_dir, device: str = "cpu") -> Path:
+    """`jaxport gpt export`: nanoGPT's ckpt.pt from a run's newest intact orbax checkpoint (on a multi-host
+    run every process calls it: the arrays are gathered and process 0 writes the file)."""
+    out_dir = Path(out_dir)
+    with run_checkpoints(out_dir) as checkpoints:
+        trainer = restore_trainer(checkpoints, lambda meta: {**DEFAULTS, **EXTRA, **meta["config"], "device": device,
+                                                             "init_from": "resume"}, select_devices(device))
+    if trainer is None:
+        raise JaxportError(f"{out_dir} has no jaxport checkpoints to export (expected {out_dir}/jaxport_checkpoints, "
+                           f"written by `jaxport gpt train`)")
+    cfg = trainer.cfg
+    lr = get_lr(trainer.iter_num, cfg) if cfg["decay_lr"] else cfg["learning_rate"]
+    write_nanogpt_checkpoint(trainer, out_dir, trainer.iter_num, trainer.best_val_loss, lr)
+    return out_dir / "ckpt.pt"
+
+
 def train(cfg: dict) -> dict:
-    """`jaxport gpt train`: nanoGPT's loop. Returns the last losses."""
-    from tqdm import tqdm
-    from jaxport.distributed import initialize
-    initialize()  # several hosts only when the environment says so
+    """`jaxport gpt train`: nanoGPT's loop. Returns the last losses.
+
+    Besides nanoGPT's ckpt.pt (single-process runs), the run keeps orbax checkpoints in
+    out_dir/jaxport_checkpoints (at every evaluation that nanoGPT would save at, and every
+    `checkpoint_interval` iterations) holding the whole train state and the data sampler's
+    position, so `--init_from=resume` continues on exactly the batches an uninterrupted run sees."""
     devices = select_devices(cfg["device"])
     # nanoGPT's DDP rule: batch_size is per device and the accumulation steps are shared out
     world, accum = len(devices), cfg["gradient_accumulation_steps"]
@@ -314,91 +397,104 @@ def train(cfg: dict) -> dict:
         echo(f"found vocab_size = {meta_vocab} (inside {data_dir / 'meta.pkl'})")
     out_dir = Path(cfg["out_dir"])
     echo(f"tokens per iteration will be: {accum * world * cfg['batch_size'] * cfg['block_size']:,}")
+    loggers = ["jsonl", "wandb"] if cfg["wandb_log"] else ["jsonl"]
+    run = Run(out_dir, total_steps=cfg["max_iters"], loggers=loggers, keep_last=cfg["keep_last"],
+              keep_every=cfg["keep_every"], project=cfg["wandb_project"], name=cfg["wandb_run_name"], shown=("loss",),
+              progress=cfg["progress"])
+    with run:
+        return _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo)
+
+
+def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
+    out_dir, master = Path(cfg["out_dir"]), jax.process_index() == 0
+    trainer = None
     if cfg["init_from"] == "resume":
         echo(f"Resuming training from {out_dir}")
-    trainer = Trainer(cfg, vocab_size=meta_vocab, devices=devices)
-    if trainer.mesh.devices.flat[0].platform == "cpu":
-        keep_freed_memory()  # process-wide, so only for runs, not for library users of Trainer
+        # jaxport's own checkpoints first; a nanoGPT run has only ckpt.pt
+        trainer = restore_trainer(run.checkpoints, lambda meta: cfg, devices, meta_vocab)
+    if trainer is None:
+        trainer = Trainer(cfg, vocab_size=meta_vocab, devices=devices)
     model = trainer.model
     echo(f"number of parameters: {model.get_num_params() / 1e6:.2f}M")
     echo(f"compute dtype {jnp.dtype(trainer.dtype).name} on {trainer.mesh.devices.size} "
-          f"{trainer.mesh.devices.flat[0].platform} device(s); the first step compiles")
+         f"{trainer.mesh.devices.flat[0].platform} device(s); the first step compiles")
     peak, kind = device_peak_flops(trainer.mesh.devices.flat[0])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if meta is not None and master:  # so sampling from out_dir needs no data folder
-        (out_dir / "meta.pkl").write_bytes((data_dir / "meta.pkl").read_bytes())
-    wandb = None
-    if cfg["wandb_log"] and master:
-        try:
-            import wandb
-            wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
-        except ImportError:
-            echo("wandb_log=True but wandb is not installed (pip install wandb); metrics go to metrics.jsonl only")
-    metrics = open(out_dir / "metrics.jsonl", "a") if master else None
-
-    def log(record):
-        if metrics is None:
-            return
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
-        if wandb is not None:
-            wandb.log(record)
+    mfu_params = model.get_num_params()
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        meta_pkl = data_folder(cfg) / "meta.pkl"
+        if meta_pkl.exists():  # so sampling from out_dir needs no data folder
+            (out_dir / "meta.pkl").write_bytes(meta_pkl.read_bytes())
+    iter_num, best_val_loss = trainer.iter_num, trainer.best_val_loss
+    run.start_logging(iter_num)
+    say = run.write
+    eval_step = jax.jit(lambda params, X, Y: jax.lax.map(lambda xy: trainer._eval(params, *xy), (X, Y)))
 
     def estimate_loss():
         out = {}
-        for split in ("train", "val"):
-            X, Y = batches.get(split, (cfg["eval_iters"],))
-            losses = [trainer.eval_loss(X[k], Y[k]) for k in range(cfg["eval_iters"])]  # dispatched, then read
-            out[split] = float(np.mean([to_host(loss) for loss in losses]))
+        for split in ("train", "val"):  # all eval_iters batches in one compiled call
+            X, Y = trainer._shard(*batches.get(split, (cfg["eval_iters"],), draw=iter_num, purpose="eval"))
+            out[split] = float(np.mean(fetch_replicated(eval_step(trainer.params, X, Y))))
         return out
 
-    iter_num, best_val_loss = trainer.iter_num, trainer.best_val_loss
-    X, Y = batches.get("train", (accum,))
+    unchecked = []  # (iter, device loss) of iterations whose loss has not been read yet
+
+    def check_losses():
+        """Stop at the first non-finite loss (read at log and save points only, one transfer)."""
+        values = jax.device_get([loss for _, loss in unchecked])
+        for (it, _), value in zip(unchecked, values):
+            run.check_finite(it, np.asarray(value)[-1])
+        unchecked.clear()
+
+    def save(lr):
+        check_losses()
+        # the batches are keyed by iteration (see Batches), so iter_num is the data position too
+        run.save(iter_num, trainer.state(), trainer.checkpoint_meta(iter_num, best_val_loss))
+        if jax.process_count() == 1:  # nanoGPT users' ckpt.pt; multi-host: `jaxport gpt export`
+            say(f"saving checkpoint to {out_dir}")
+            write_nanogpt_checkpoint(trainer, out_dir, iter_num, best_val_loss, lr)
+
+    X, Y = batches.get("train", (accum,), draw=iter_num)
     t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
-    bar = tqdm(total=cfg["max_iters"], initial=iter_num, disable=not (cfg["progress"] and master),
-               dynamic_ncols=True)
-    say = bar.write if cfg["progress"] and master else echo
     base_key = jax.random.key(cfg["seed"])
+    interval = cfg["checkpoint_interval"]
     while True:
         lr = get_lr(iter_num, cfg) if cfg["decay_lr"] else cfg["learning_rate"]
         if iter_num % cfg["eval_interval"] == 0:
             losses = estimate_loss()
             say(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr})
+            run.log(iter_num, {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr})
             last.update(losses)
             if losses["val"] < best_val_loss or cfg["always_save_checkpoint"]:
                 best_val_loss = losses["val"]
                 if iter_num > 0:
-                    say(f"saving checkpoint to {out_dir}")
-                    from jaxport.checkpoint import save_torch_file
-                    ckpt = trainer.checkpoint(iter_num, best_val_loss, lr)  # a collective: every process
-                    if master:
-                        save_torch_file(ckpt, out_dir / "ckpt.pt")
+                    save(lr)
+        elif interval and iter_num % interval == 0:
+            save(lr)
         if iter_num == 0 and cfg["eval_only"]:
             break
         micro_losses, norm = trainer.step(X, Y, lr, jax.random.fold_in(base_key, iter_num))
-        X, Y = batches.get("train", (accum,))  # prepared while the step runs
+        unchecked.append((iter_num, micro_losses))
+        X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs
         steps_timed += 1
         if iter_num % cfg["log_interval"] == 0:
-            lossf = float(to_host(micro_losses)[-1])  # waits for the step; nanoGPT logs the last micro-step's loss
+            check_losses()
+            lossf = float(fetch_replicated(micro_losses)[-1])  # nanoGPT logs the last micro-step's loss
             t1 = time.time()
             # steps run asynchronously: time per iteration is averaged since the last log
             dt, t0, steps_timed = (t1 - t0) / steps_timed, t1, 0
             if local_iter_num >= 5:  # let the compile and warm-up settle first
-                mfu = model.estimate_mfu(cfg["batch_size"] * accum, dt)  # per device, as nanoGPT's
+                mfu = estimate_mfu(mfu_params, trainer.model_config, cfg["batch_size"] * accum, dt)
                 running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
             device_mfu = (f", {running_mfu * 312e12 / peak * 100:.2f}% of {kind} peak" if peak and running_mfu > 0
                           else "")
             say(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, mfu {running_mfu * 100:.2f}%{device_mfu}")
-            log({"iter": iter_num, "loss": lossf, "lr": lr, "grad_norm": float(to_host(norm)), "dt_ms": dt * 1000,
-                 "mfu_a100": running_mfu})
+            run.log(iter_num, {"iter": iter_num, "loss": lossf, "lr": lr, "grad_norm": float(fetch_replicated(norm)),
+                               "dt_ms": dt * 1000, "mfu_a100": running_mfu})
             last["loss"] = lossf
         iter_num += 1
         local_iter_num += 1
-        bar.update(1)
         if iter_num > cfg["max_iters"]:
             break
-    bar.close()
-    if metrics is not None:
-        metrics.close()
+    check_losses()
     return last

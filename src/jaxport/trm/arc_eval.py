@@ -10,11 +10,11 @@ inputs solved; `submission.json` holds the first `submission_K` grids per test i
 """
 
 import json
-import pickle
 from pathlib import Path
 
 import numpy as np
 
+from jaxport.distributed import gather_objects
 from jaxport.errors import JaxportError
 from jaxport.trm.build.arc import GRID, arc_grid_to_np, grid_hash, inverse_augment
 
@@ -31,20 +31,6 @@ def crop(seq: np.ndarray) -> np.ndarray:
     if area[rows - 1] == 0:
         return np.zeros((0, 0), np.uint8)
     return (grid[:rows, :width[rows - 1]] - 2).astype(np.uint8)
-
-
-def _allgather_objects(obj) -> list:
-    """Every process's `obj` (picklable), on every process."""
-    import jax
-    if jax.process_count() == 1:
-        return [obj]
-    from jax.experimental import multihost_utils
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([payload.size], np.int64))
-    padded = np.zeros(int(np.max(sizes)), np.uint8)
-    padded[:payload.size] = payload
-    gathered = multihost_utils.process_allgather(padded)
-    return [pickle.loads(gathered[i, :int(sizes[i, 0])].tobytes()) for i in range(gathered.shape[0])]
 
 
 class ARCEvaluator:
@@ -101,7 +87,7 @@ class ARCEvaluator:
             self._grids[pred_hash] = pred_grid
             self._votes.setdefault(original, {}).setdefault(input_hash, []).append((pred_hash, float(q_row)))
 
-    def result(self, save_path=None, gather=_allgather_objects) -> dict | None:
+    def result(self, save_path=None, gather=gather_objects) -> dict | None:
         """pass@K for every K (process 0; other processes get None); writes
         `<save_path>/submission.json` when `save_path` is given."""
         import jax

@@ -42,22 +42,11 @@ def _build(argv):
     return 0
 
 
-def _split_distributed_flags(argv):
-    """--coordinator HOST:PORT --num-processes N --process-id I (or JAXPORT_* variables; auto on clusters)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--coordinator")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
-    flags, rest = parser.parse_known_args(argv)
-    from jaxport.distributed import initialize
-    initialize(flags.coordinator, flags.num_processes, flags.process_id)
-    return rest
-
-
 def _train(argv):
+    from jaxport.distributed import initialize_from_argv
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import train
-    overrides = _split_distributed_flags(argv)
+    overrides = initialize_from_argv(argv)
     result = train(load_run_config(overrides))
     print(json.dumps(result, indent=1))
     return 0
@@ -69,7 +58,8 @@ def _eval(argv):
     parser.add_argument("--checkpoint", help="an upstream step_N file")
     parser.add_argument("--config", help="the all_config.yaml of --checkpoint (default: beside it)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data_paths_test=[data/x]")
-    args = parser.parse_args(_split_distributed_flags(argv))
+    from jaxport.distributed import initialize_from_argv
+    args = parser.parse_args(initialize_from_argv(argv))
     import yaml
 
     from jaxport.trm.run_config import load_run_config
@@ -78,19 +68,22 @@ def _eval(argv):
         run = Path(args.run)
         config = load_run_config(args.overrides, base=yaml.safe_load((run / "all_config.yaml").read_text()))
         trainer = Trainer(config)
-        if not trainer.resume():
-            raise JaxportError(f"no checkpoint in {run}")
-    elif args.checkpoint:
+        with trainer.run:
+            if not trainer.resume():
+                raise JaxportError(f"no checkpoint in {run}")
+            print(json.dumps(trainer.evaluate(), indent=1))
+        return 0
+    if args.checkpoint:
         config_path = Path(args.config) if args.config else Path(args.checkpoint).parent / "all_config.yaml"
         from jaxport.trm.config import read_all_config
         config = load_run_config(args.overrides + [f"load_checkpoint={args.checkpoint}"],
                                  base=read_all_config(config_path))
         config.setdefault("checkpoint_path", str(Path(args.checkpoint).parent))
         trainer = Trainer(config)
-    else:
-        raise JaxportError("give --run DIR or --checkpoint step_N")
-    print(json.dumps(trainer.evaluate(), indent=1))
-    return 0
+        with trainer.run:
+            print(json.dumps(trainer.evaluate(), indent=1))
+        return 0
+    raise JaxportError("give --run DIR or --checkpoint step_N")
 
 
 DEMO_OVERRIDES = [

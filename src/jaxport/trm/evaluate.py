@@ -1,7 +1,7 @@
 """Upstream's `evaluate` for TRM: run each batch to the last ACT step, sum the final metrics per set
 (the loop over sets and evaluators is `Trainer.evaluate`)."""
 
-from jaxport.distributed import to_host
+from jaxport.distributed import fetch_replicated
 from jaxport.trm.model import TRM
 
 
@@ -18,7 +18,7 @@ def run_to_halt(model: TRM, batch: dict, on_step=None):
         if on_step is not None:
             on_step(num_steps, carry, loss, metrics, outputs)
         num_steps += 1
-        if bool(to_host(all_finish)):
+        if bool(fetch_replicated(all_finish)):
             return (carry, loss, metrics, outputs), num_steps
 
 

@@ -14,24 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 from flax import nnx, struct
-from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec as P
 
-from jaxport.checkpoint.runs import RunCheckpoints
+from jaxport.checkpoint.runs import abstract_like
 from jaxport.checkpoint.torch_io import load_torch_file
-from jaxport.distributed import make_mesh, replicate, shard_batch, shard_leading, to_host
+from jaxport.distributed import fetch_replicated, local_rows, make_mesh, replicate, shard_batch, shard_leading
 from jaxport.errors import JaxportError
 from jaxport.training import adam_atan2, compute_lr, ema_copy, ema_init, ema_update, sparse_sign_sgd_update
-from jaxport.training.logging import RunLogger
+from jaxport.training.run import Run, run_checkpoints
 from jaxport.trm import params as trm_params
 from jaxport.trm.data import PuzzleDataset
 from jaxport.trm.evaluate import reduce_eval_metrics, reduce_train_metrics, run_to_halt
 from jaxport.trm.model import TRM, Buffer, Carry, loss_and_grad
 from jaxport.trm.run_config import make_model_config
-
-CHECKPOINT_SUBDIR = "jaxport_checkpoints"
 
 
 @struct.dataclass
@@ -82,16 +77,19 @@ class Trainer:
         self.evaluators = self._make_evaluators()
         self._train_step = jax.jit(self._step, donate_argnums=0)
         self.state = self._init_state(params, buffers)
-        self.checkpoints = RunCheckpoints(self.run_dir / CHECKPOINT_SUBDIR)
+        self.run = Run(self.run_dir, config=config, config_name="all_config.yaml", total_steps=self.total_steps,
+                       loggers=config.get("loggers") or ["jsonl"], keep_last=config.get("keep_last", 3),
+                       keep_every=config.get("keep_every"), project=config.get("project_name"),
+                       name=config.get("run_name"), shown=("lm_loss", "accuracy"))
 
     # ----- set-up
 
     def _load_weights(self, path: Path) -> None:
         """`load_checkpoint=`: an upstream step_N file, or a jaxport run folder (its latest checkpoint)."""
-        if (path / CHECKPOINT_SUBDIR).is_dir():
-            source = RunCheckpoints(path / CHECKPOINT_SUBDIR)
+        if path.is_dir():
+            source = run_checkpoints(path)
             _, params, buffers, _ = nnx.split(self.model, nnx.Param, Buffer, ...)
-            restored = source.restore_partial({"params": params, "buffers": buffers})
+            restored, _ = source.restore({"params": params, "buffers": buffers}, partial=True)
             nnx.update(self.model, restored["params"], restored["buffers"])
             source.close()
             return
@@ -149,7 +147,7 @@ class Trainer:
         return jax.random.fold_in(jax.random.key(self.config["seed"]), step)
 
     def train_batch(self, batch: dict) -> dict | None:
-        step = int(to_host(self.state.step)) + 1  # upstream increments before computing the LR
+        step = int(fetch_replicated(self.state.step)) + 1  # upstream increments before computing the LR
         if step > self.total_steps:
             return None
         lr_args = dict(step=step, total_steps=self.total_steps, lr_warmup_steps=self.config["lr_warmup_steps"],
@@ -158,14 +156,10 @@ class Trainer:
         puzzle_lr = compute_lr(self.config["puzzle_emb_lr"], **lr_args)
         self.state, loss, metrics, weights_finite = self._train_step(
             self.state, shard_batch(batch, self.mesh), jnp.float32(lr), jnp.float32(puzzle_lr), self.halt_key(step))
-        loss = float(to_host(loss))
-        if not math.isfinite(loss) or not bool(to_host(weights_finite)):
-            last = self.checkpoints.latest_step()
-            kept = f"the last good checkpoint is step {last} in {self.checkpoints.directory}" if last is not None \
-                else "no checkpoint had been written yet"
-            what = f"loss is {loss}" if not math.isfinite(loss) else "the update made the weights non-finite"
-            raise JaxportError(f"{what} at step {step} (lr {lr:.3g}); training stopped; {kept}")
-        reduced = reduce_train_metrics({k: to_host(v) for k, v in metrics.items()}, self.gbs)
+        self.run.check_finite(step, fetch_replicated(loss))
+        if not bool(fetch_replicated(weights_finite)):
+            self.run.check_finite(step, math.nan, what=f"the update (lr {lr:.3g}) made the weights non-finite: a weight")
+        reduced = reduce_train_metrics({k: fetch_replicated(v) for k, v in metrics.items()}, self.gbs)
         return {f"train/{k}": v for k, v in reduced.items()} | {"train/lr": lr}
 
     # ----- evaluation
@@ -189,64 +183,55 @@ class Trainer:
             (_, _, metrics, outputs), _ = run_to_halt(model, shard_batch(batch, self.mesh))
             set_sums = sums.setdefault(set_name, {})
             for k, v in metrics.items():
-                set_sums[k] = np.float32(set_sums.get(k, 0)) + np.float32(to_host(v))
+                set_sums[k] = np.float32(set_sums.get(k, 0)) + np.float32(fetch_replicated(v))
             if self.evaluators:
-                local = {k: self._local_rows(v) for k, v in outputs.items() if k in ("q_halt_logits", "preds")}
+                local = {k: local_rows(v, self.mesh) for k, v in outputs.items() if k in ("q_halt_logits", "preds")}
                 local |= {k: batch[k] for k in ("inputs", "puzzle_identifiers")}
                 for evaluator in self.evaluators:
                     evaluator.update_batch(local, local)
         flat = {f"{s}/{k}": float(v) for s, m in reduce_eval_metrics(sums).items() for k, v in m.items()}
-        save_dir = self.run_dir / f"evaluator_step_{int(to_host(self.state.step))}"
+        save_dir = self.run_dir / f"evaluator_step_{int(fetch_replicated(self.state.step))}"
         for evaluator in self.evaluators:
             result = evaluator.result(save_dir if self.rank == 0 else None)
             if result:
                 flat |= result
         return flat
 
-    def _local_rows(self, x) -> np.ndarray:
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        spec = P(("data", "fsdp"), *([None] * (x.ndim - 1)))
-        return np.asarray(multihost_utils.global_array_to_host_local_array(x, self.mesh, spec))
-
     # ----- checkpoints
 
     def save(self) -> int:
-        step = int(to_host(self.state.step))
-        if self.checkpoints.latest_step() == step:
-            return step
-        meta = {"step": step, "data": self.train_loader.state_dict(), "iteration": self.iteration}
-        self.checkpoints.save(step, self.state, meta)
+        step = int(fetch_replicated(self.state.step))
+        self.run.save(step, self.state, {"data": self.train_loader.state_dict(), "iteration": self.iteration})
         if self.config.get("export_upstream") and self.rank == 0:
             model = nnx.merge(self.graphdef, self.state.params, self.state.buffers, self.rest)
             trm_params.save_upstream_checkpoint(model, self.run_dir / f"step_{step}")
         return step
 
     def resume(self) -> bool:
-        if self.checkpoints.latest_step() is None:
+        restored = self.run.restore(abstract_like(self.state))
+        if restored is None:
             return False
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-        self.state, meta = self.checkpoints.restore(abstract)
+        self.state, meta = restored
         self.train_loader.load_state_dict(meta["data"])
         self.iteration = meta["iteration"]
         return True
 
     # ----- the loop
 
-    def run(self) -> dict:
-        config = self.config
+    def train(self) -> dict:
+        with self.run:
+            return self._train_loop()
+
+    def _train_loop(self) -> dict:
+        config, run = self.config, self.run
         self.iteration = 0
         resumed = self.resume()
-        start_step = int(to_host(self.state.step))
+        start_step = int(fetch_replicated(self.state.step))
         max_steps = min(self.total_steps, config.get("max_steps") or self.total_steps)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "all_config.yaml").write_text(yaml.safe_dump(config))
-        logger = RunLogger(self.run_dir, total_steps=max_steps, initial_step=start_step,
-                           loggers=config.get("loggers") or ["jsonl"], config=config,
-                           project=config.get("project_name"), name=config.get("run_name"), enabled=self.rank == 0)
+        run.total_steps = max_steps
+        run.start_logging(start_step)
         if resumed:
-            logger.write(f"resumed from step {start_step} ({self.checkpoints.directory})")
+            run.write(f"resumed from step {start_step} ({run.checkpoints.directory})")
         every = config.get("checkpoint_every_steps")
         last_eval: dict = {}
         stopped = False
@@ -255,8 +240,8 @@ class Trainer:
                 metrics = self.train_batch(batch)
                 if metrics is None:
                     break
-                step = int(to_host(self.state.step))
-                logger.log(step, metrics)
+                step = int(fetch_replicated(self.state.step))
+                run.log(step, metrics)
                 if every and step % every == 0:
                     self.save()
                 if step >= max_steps:
@@ -265,15 +250,14 @@ class Trainer:
             if self.iteration >= config["min_eval_interval"] or stopped:
                 last_eval = self.evaluate()
                 if last_eval:
-                    step = int(to_host(self.state.step))
-                    logger.log(step, {f"eval/{k}": v for k, v in last_eval.items()})
-                    logger.write(f"step {step} eval: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
+                    step = int(fetch_replicated(self.state.step))
+                    run.log(step, {f"eval/{k}": v for k, v in last_eval.items()})
+                    run.write(f"step {step} eval: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
             self.iteration += 1
             if config["checkpoint_every_eval"] or stopped or self.iteration == self.total_iters:
                 self.save()
-        png = logger.close()
-        self.checkpoints.close()
-        return {"step": int(to_host(self.state.step)), "eval": last_eval, "run_dir": str(self.run_dir),
+        png = run.close()
+        return {"step": int(fetch_replicated(self.state.step)), "eval": last_eval, "run_dir": str(self.run_dir),
                 "learning_curves": str(png) if png else None}
 
 
@@ -290,4 +274,4 @@ def default_run_paths(config: dict) -> dict:
 
 
 def train(config: dict, mesh=None) -> dict:
-    return Trainer(default_run_paths(config), mesh=mesh).run()
+    return Trainer(default_run_paths(config), mesh=mesh).train()

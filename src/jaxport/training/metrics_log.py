@@ -11,24 +11,31 @@ from tqdm import tqdm
 from jaxport.errors import JaxportError
 
 
-class RunLogger:
-    """Only process 0 logs; the others get a silent logger (`enabled=False`)."""
+LOGGERS = ("jsonl", "wandb", "tensorboard")
+
+
+class MetricsLog:
+    """Only process 0 logs; the others get a silent log (`enabled=False`).
+
+    A metric whose value is None was not measured at that step (e.g. accuracy when no row halted):
+    `metrics.jsonl` records null, and the progress bar keeps showing the last measured value."""
 
     def __init__(self, run_dir: Path, *, total_steps: int, initial_step: int = 0, loggers=("jsonl",),
                  config: dict | None = None, project: str | None = None, name: str | None = None,
-                 enabled: bool = True):
+                 enabled: bool = True, shown=("lm_loss", "loss", "accuracy"), progress: bool = True):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.jsonl = self.run_dir / "metrics.jsonl"
         self._wandb = self._tensorboard = None
         self._last_time, self._last_step = time.perf_counter(), initial_step
+        self._shown_suffixes, self._postfix = tuple(shown), {}
         if not enabled:
             self.bar = None
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        unknown = set(loggers) - {"jsonl", "wandb", "tensorboard"}
+        unknown = set(loggers) - set(LOGGERS)
         if unknown:
-            raise JaxportError(f"unknown logger(s) {sorted(unknown)}: choose from jsonl, wandb, tensorboard")
+            raise JaxportError(f"unknown logger(s) {sorted(unknown)}: choose from {', '.join(LOGGERS)}")
         if "wandb" in loggers:
             try:
                 import wandb
@@ -43,28 +50,29 @@ class RunLogger:
                 raise JaxportError("loggers=[tensorboard] needs `pip install tensorboard` and PyTorch's writer "
                                    "(`pip install jaxport[torch]`)") from None
             self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True) if progress else None
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
         if not self.enabled:
             return
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = {k: None if v is None else float(v) for k, v in metrics.items()}
         now = time.perf_counter()
         if step > self._last_step:
             metrics["steps_per_s"] = (step - self._last_step) / max(now - self._last_time, 1e-9)
         self._last_time, self._last_step = now, step
         with open(self.jsonl, "a") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        measured = {k: v for k, v in metrics.items() if v is not None}
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            self._wandb.log(measured, step=step)
         if self._tensorboard is not None:
-            for k, v in metrics.items():
+            for k, v in measured.items():
                 self._tensorboard.add_scalar(k, v, step)
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items()
-                     if k.endswith(("lm_loss", "accuracy")) and k.startswith("train/") and "q_halt" not in k}
-            self.bar.set_postfix(shown, refresh=False)
+            self._postfix.update({k.split("/")[-1]: f"{v:.4g}" for k, v in measured.items()
+                                  if k.endswith(self._shown_suffixes) and k.startswith("train/") and "q_halt" not in k})
+            self.bar.set_postfix(self._postfix, refresh=False)
 
     def write(self, message: str) -> None:
         if self.enabled:
