@@ -9,12 +9,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
 
-def fetch_replicated(x) -> np.ndarray:
-    """A replicated (or single-device) array as numpy, read from this process's own copy: no
-    collective, so any process may call it alone (a loss, a step counter, a halting flag)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
+def fetch_replicated(tree):
+    """Replicated (or single-device) arrays as numpy, read from this process's own copies in one
+    transfer: no collective, so any process may call it alone (losses, metrics, a halting flag)."""
+    def own_copy(x):
+        return x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable else x
+    return jax.tree.map(np.asarray, jax.device_get(jax.tree.map(own_copy, tree)))
 
 
 def gather_to_host(tree):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import ast
 import difflib
 import types
+from importlib import resources
 from pathlib import Path
 
 from jaxport.errors import JaxportError
 
-PRESETS = Path(__file__).resolve().parents[3] / "configs" / "gpt"
+PRESETS = resources.files("jaxport") / "configs" / "gpt"
 
 
 def _unknown(key: str, known, what: str) -> JaxportError:
@@ -30,8 +31,8 @@ def resolve_config_file(arg: str) -> Path:
         return path
     preset = PRESETS / f"{path.stem}.py"
     if preset.is_file():
-        return preset
-    names = sorted(p.stem for p in PRESETS.glob("*.py")) if PRESETS.is_dir() else []
+        return Path(str(preset))
+    names = sorted(p.name.removesuffix(".py") for p in PRESETS.iterdir() if p.name.endswith(".py"))
     close = difflib.get_close_matches(path.stem, names, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else f"; presets: {', '.join(names)}"
     raise JaxportError(f"config file not found: {arg}{hint}")

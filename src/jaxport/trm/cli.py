@@ -60,13 +60,12 @@ def _eval(argv):
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data_paths_test=[data/x]")
     from jaxport.distributed import initialize_from_argv
     args = parser.parse_args(initialize_from_argv(argv))
-    import yaml
-
+    from jaxport.trm.config import read_all_config
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import Trainer
     if args.run:
         run = Path(args.run)
-        config = load_run_config(args.overrides, base=yaml.safe_load((run / "all_config.yaml").read_text()))
+        config = load_run_config(args.overrides + [f"checkpoint_path={run}"], base=read_all_config(run / "all_config.yaml"))
         trainer = Trainer(config)
         with trainer.run:
             if not trainer.resume():
@@ -75,10 +74,10 @@ def _eval(argv):
         return 0
     if args.checkpoint:
         config_path = Path(args.config) if args.config else Path(args.checkpoint).parent / "all_config.yaml"
-        from jaxport.trm.config import read_all_config
         config = load_run_config(args.overrides + [f"load_checkpoint={args.checkpoint}"],
                                  base=read_all_config(config_path))
-        config.setdefault("checkpoint_path", str(Path(args.checkpoint).parent))
+        if config.checkpoint_path is None:
+            config = config.replace(checkpoint_path=str(Path(args.checkpoint).parent))
         trainer = Trainer(config)
         with trainer.run:
             print(json.dumps(trainer.evaluate(), indent=1))

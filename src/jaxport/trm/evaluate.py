@@ -1,5 +1,9 @@
-"""Upstream's `evaluate` for TRM: run each batch to the last ACT step, sum the final metrics per set
-(the loop over sets and evaluators is `Trainer.evaluate`)."""
+"""Upstream's `evaluate` for TRM: run each batch to the last ACT step, sum the final metrics per set,
+feed the evaluators, and collect the outputs named by `eval_save_outputs`."""
+
+from typing import Callable, Iterable
+
+import numpy as np
 
 from jaxport.distributed import fetch_replicated
 from jaxport.trm.model import TRM
@@ -22,6 +26,37 @@ def run_to_halt(model: TRM, batch: dict, on_step=None):
             return (carry, loss, metrics, outputs), num_steps
 
 
+def evaluate(model: TRM, batches: Iterable, evaluators=(), local_rows: Callable = np.asarray,
+             save_keys=(), save_dir=None, is_main: bool = True) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """`batches` yields `(set_name, batch on the devices, this process's rows of it on the host)`.
+
+    Metrics are summed per set in float32 as upstream does, then divided by the set's count
+    (`{set}/{metric}`), and the evaluators' results (e.g. ARC pass@K) added. Also returns this
+    process's rows of every output or batch field named in `save_keys`, concatenated over batches.
+    """
+    for evaluator in evaluators:
+        evaluator.begin_eval()
+    wanted = set(save_keys) | {k for evaluator in evaluators for k in evaluator.required_outputs}
+    sums: dict[str, dict[str, np.float32]] = {}
+    saved: dict[str, list] = {}
+    for set_name, batch, host_batch in batches:
+        (_, _, metrics, outputs), _ = run_to_halt(model, batch)
+        set_sums = sums.setdefault(set_name, {})
+        for k, v in fetch_replicated(metrics).items():
+            set_sums[k] = np.float32(set_sums.get(k, 0)) + np.float32(v)
+        rows = {k: local_rows(v) for k, v in outputs.items() if k in wanted}
+        rows |= {k: np.asarray(v) for k, v in host_batch.items() if k in wanted}
+        for evaluator in evaluators:
+            evaluator.update_batch(rows, rows)
+        for k in save_keys:
+            if k in rows:
+                saved.setdefault(k, []).append(rows[k])
+    result = {f"{s}/{k}": float(v) for s, m in reduce_eval_metrics(sums).items() for k, v in m.items()}
+    for evaluator in evaluators:
+        result |= evaluator.result(save_dir if is_main else None) or {}
+    return result, {k: np.concatenate(v) for k, v in saved.items()}
+
+
 def reduce_eval_metrics(metric_sums: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """Divide every summed metric (losses too) by the set's count, and drop the count."""
     reduced = {}
@@ -32,8 +67,14 @@ def reduce_eval_metrics(metric_sums: dict[str, dict[str, float]]) -> dict[str, d
     return reduced
 
 
-def reduce_train_metrics(metrics: dict, global_batch_size: int) -> dict[str, float]:
-    """upstream train_batch's logging: losses / global batch size, every other metric / max(count, 1)."""
+HALTED_ROW_METRICS = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+
+
+def reduce_train_metrics(metrics: dict, global_batch_size: int) -> dict[str, float | None]:
+    """upstream train_batch's logging: losses / global batch size, every other metric / count. The
+    metrics of halted rows are None (not measured) on a step where no row halted, where upstream
+    logs 0."""
     values = {k: float(v) for k, v in metrics.items()}
-    count = max(values["count"], 1)
-    return {k: v / (global_batch_size if k.endswith("loss") else count) for k, v in values.items()}
+    count = values["count"]
+    return {k: (v / global_batch_size if k.endswith("loss") else None if count == 0 and k in HALTED_ROW_METRICS
+                else v / max(count, 1)) for k, v in values.items()}
