@@ -8,12 +8,16 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test bench
+.PHONY: demo test lint bench
 demo: $(VENV)/.installed
 	$(VENV)/bin/jaxport trm demo
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python bench/trm_step.py

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from jaxport import malloc
 from jaxport.gpt import train as gpt_train
 
 CONFIGS = {
@@ -53,7 +54,7 @@ def main():
     parser.add_argument("--configs", default="cpu_readme,shakespeare_char")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
-    gpt_train.keep_freed_memory()
+    malloc.keep_freed_memory()
     print(json.dumps({"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__}}), flush=True)
     for name in args.configs.split(","):
         print(json.dumps(bench(name, args.iters if name == "cpu_readme" else max(2, args.iters // 10))), flush=True)

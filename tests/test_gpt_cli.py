@@ -22,10 +22,9 @@ README_CPU = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_inter
 
 @pytest.fixture(autouse=True)
 def keep_malloc_defaults(monkeypatch):
-    """train/sample tune glibc's malloc for their process; leave the test process alone."""
-    from jaxport.gpt import sample, train
-    monkeypatch.setattr(train, "keep_freed_memory", lambda: None)
-    monkeypatch.setattr(sample, "keep_freed_memory", lambda: None)
+    """the jaxport command tunes glibc's malloc for its process; leave the test process alone."""
+    from jaxport import malloc
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: None)
 
 
 @pytest.fixture(scope="module")

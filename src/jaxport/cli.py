@@ -3,12 +3,13 @@
 import importlib
 import sys
 
+from jaxport import malloc
 from jaxport.errors import JaxportError
 
 FAMILIES = {
     "trm": "TinyRecursiveModels: demo, build datasets, train, evaluate",
     "gpt": "nanoGPT: prepare data, train, sample",
-    "dream": "Dream / DiffuCoder: generate, bench",
+    "dream": "Dream / DiffuCoder: generate, bench, serve",
 }
 
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if family not in FAMILIES:
         print(f"jaxport: unknown family {family!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    malloc.keep_freed_memory()
     family_cli = importlib.import_module(f"jaxport.{family}.cli")
     try:
         return family_cli.main(rest) or 0

@@ -5,6 +5,7 @@ read or written, and its absence is reported as one clear error.
 """
 
 import contextlib
+import importlib.util
 import os
 import tempfile
 import zipfile
@@ -13,6 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxport.errors import JaxportError
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
 
 
 def _torch():

@@ -11,7 +11,7 @@ from jaxport.errors import JaxportError
 from jaxport.gpt.configurator import configure
 from jaxport.gpt.data import gpt2_encoding, load_meta
 from jaxport.gpt.model import GPT
-from jaxport.gpt.train import compute_dtype, keep_freed_memory, load_trained_model, select_devices
+from jaxport.gpt.train import compute_dtype, load_trained_model, select_devices
 
 DEFAULTS = dict(
     init_from="resume",  # or gpt2, gpt2-medium, gpt2-large, gpt2-xl
@@ -68,8 +68,6 @@ def sample(cfg: dict) -> list[str]:
     else:
         raise JaxportError(f"--init_from={cfg['init_from']}: use resume or gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     model.dtype = compute_dtype(cfg["dtype"], devices[0].platform)
-    if devices[0].platform == "cpu":
-        keep_freed_memory()
     encode, decode = load_codec(model, train_config, cfg)
     start = cfg["start"]
     if start.startswith("FILE:"):

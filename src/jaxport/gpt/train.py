@@ -16,11 +16,9 @@ the first process writes the checkpoint and logs.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.distributed import fetch_replicated, fsdp_shardings, gather_to_host, make_mesh, replicate, shard_batch
 from jaxport.errors import JaxportError
@@ -76,25 +75,6 @@ def get_lr(it: int, cfg: dict) -> float:
     decay_ratio = (it - cfg["warmup_iters"]) / (cfg["lr_decay_iters"] - cfg["warmup_iters"])
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
     return cfg["min_lr"] + coeff * (cfg["learning_rate"] - cfg["min_lr"])
-
-
-def keep_freed_memory() -> None:
-    """Make glibc keep freed memory in the heap instead of returning it to the OS. XLA:CPU
-    frees and reallocates its large temporaries every step, and the page faults of fresh
-    mmaps cost up to half the step time of a small GPT (measured ~1.5-2x on the README
-    CPU config). A no-op off Linux/glibc."""
-    if sys.platform != "linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-    # blocks up to glibc's largest mmap threshold come from the heap, which is never trimmed;
-    # bigger ones stay mmap'ed (moving those into the heap too made large configs slower)
-    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TOP_PAD, 64 << 20)
 
 
 def select_devices(device: str) -> list:
@@ -446,13 +426,21 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             run.check_finite(it, np.asarray(value)[-1])
         unchecked.clear()
 
+    warned_no_torch = []
+
     def save(lr):
         check_losses()
         # the batches are keyed by iteration (see Batches), so iter_num is the data position too
         run.save(iter_num, trainer.state(), trainer.checkpoint_meta(iter_num, best_val_loss))
-        if jax.process_count() == 1:  # nanoGPT users' ckpt.pt; multi-host: `jaxport gpt export`
-            say(f"saving checkpoint to {out_dir}")
+        say(f"saving checkpoint to {out_dir}")
+        if jax.process_count() > 1:
+            return  # ckpt.pt needs every array on one host: `jaxport gpt export` writes it on request
+        if torch_available():  # nanoGPT users' ckpt.pt
             write_nanogpt_checkpoint(trainer, out_dir, iter_num, best_val_loss, lr)
+        elif not warned_no_torch:
+            warned_no_torch.append(True)
+            say("PyTorch is not installed, so nanoGPT's ckpt.pt is not written (jaxport's checkpoints are in "
+                f"{out_dir / CHECKPOINT_SUBDIR}); `pip install 'jaxport[torch]'` and `jaxport gpt export` write it")
 
     X, Y = batches.get("train", (accum,), draw=iter_num)
     t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
