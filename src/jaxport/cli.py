@@ -1,6 +1,7 @@
 """The `jaxport` command: `jaxport <family> <action> ...`, one sub-command per model family."""
 
 import importlib
+import logging
 import sys
 
 from jaxport import malloc
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxport: unknown family {family!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     malloc.keep_freed_memory()
+    # orbax reports through absl's logger; jaxport says what matters in its own words
+    logging.getLogger("absl").setLevel(logging.ERROR)
     family_cli = importlib.import_module(f"jaxport.{family}.cli")
     try:
         return family_cli.main(rest) or 0

@@ -84,6 +84,8 @@ class RunCheckpoints:
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             saved = self.manager.item_metadata(step)["state"]
+            if saved is None or meta is None:
+                raise FileNotFoundError("state/_METADATA" if saved is None else "meta/metadata")
         except Exception as err:  # orbax raises many types for missing or damaged metadata
             self.warn(f"{where} cannot be read (its metadata is missing or damaged: {_first_line(err)})")
             return None
@@ -131,13 +133,17 @@ class RunCheckpoints:
 
 
 def _describe_read_error(err: BaseException) -> str:
-    """tensorstore's messages are long and nested; keep what names the problem."""
+    """tensorstore's messages are long and nested: name the array and what is wrong with its file."""
+    while err.__cause__ is not None or err.__context__ is not None:  # the innermost error names the cause
+        err = err.__cause__ or err.__context__
     text = _first_line(err)
-    for pattern, meaning in ((r"(?i)out of range|truncat|unexpected end|too short", "an array file is truncated"),
-                             (r"(?i)not found|no such file|NOT_FOUND", "an array file is missing"),
-                             (r"(?i)checksum|crc|corrupt|DATA_LOSS", "an array file is damaged")):
-        if re.search(pattern, text):
-            return f"{meaning}: {text}"
+    array = re.search(r'reading "([^"/]+)', text)
+    where = f" (array {array.group(1)})" if array else ""
+    for code, meaning in (("OUT_OF_RANGE", "is truncated"), ("NOT_FOUND", "is missing"), ("DATA_LOSS", "is damaged"),
+                          ("FAILED_PRECONDITION", "is damaged")):
+        if code in text:
+            detail = text.rsplit(": ", 1)[-1]
+            return f"an array file {meaning}{where}: {detail}"
     return text
 
 

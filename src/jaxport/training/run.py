@@ -16,11 +16,13 @@ is left behind.
 
 import math
 import signal
+import sys
 import threading
 
 import jax
 import yaml
 from etils import epath
+from tqdm import tqdm
 
 from jaxport.checkpoint.runs import RunCheckpoints
 from jaxport.errors import JaxportError
@@ -54,7 +56,7 @@ class Run:
         self.config, self.config_name = config, config_name
         self.total_steps, self.initial_step = total_steps, initial_step
         self._log_options = dict(loggers=tuple(loggers), project=project, name=name, shown=shown, progress=progress)
-        self.checkpoints = run_checkpoints(self.dir, keep_last=keep_last, keep_every=keep_every, warn=self.write)
+        self.checkpoints = run_checkpoints(self.dir, keep_last=keep_last, keep_every=keep_every, warn=self.warn)
         self.metrics: MetricsLog | None = None
         self._previous_sigterm = None
 
@@ -126,6 +128,11 @@ class Run:
             self.metrics.write(message)
         else:
             print(message)
+
+    def warn(self, message: str) -> None:
+        """A problem the run works around (e.g. an unreadable checkpoint): one line on stderr."""
+        if self.is_main:
+            tqdm.write(message, file=sys.stderr)
 
     def check_finite(self, step: int, value, what: str = "loss") -> None:
         """Stop the run if `value` (a host number) is NaN or infinite, naming the step and the newest

@@ -245,6 +245,9 @@ class Trainer:
         every = config.checkpoint_every_steps
         last_eval: dict = {}
         stopped = False
+        if self.step >= max_steps:  # the run is complete: evaluate its final weights, train nothing
+            last_eval = self.evaluate()
+            stopped = True
         while self.iteration < self.total_iters and not stopped:
             for _, batch, _ in self.train_loader:
                 if not self.train_batch(batch):
