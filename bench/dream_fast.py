@@ -1,0 +1,171 @@
+"""Dream fast decoding side by side, in Fast-dLLM's form: accuracy / tokens per second / speed-up for exact
+decoding, +cache, +parallel (confidence threshold) and both. Prints JSON on stdout, the Markdown table on stderr.
+
+    python bench/dream_fast.py --model runs/dream-task-demo/hf            # trained test model, 4 settings
+    python bench/dream_fast.py --random-init 40m --settings exact,cache   # cache-only speed, no accuracy
+    python bench/dream_fast.py --random-init 40m --settings exact,cache --upstream   # + the PyTorch original
+
+Exact is `steps = generation length`, one token per step; the fast settings use the same steps in blocks of
+`--block-length` (32) with `--cache` (dual) and/or `--threshold` (0.9). Speed: the median of `--repeats`
+generations of one batch after a compiling warm-up (compile time reported apart). Accuracy (with `--model`):
+exact match on the task-demo held-out problems through `jaxport.dream.tasks.evaluate` (bench/dream_task_eval.py),
+any function `accuracy(model, tokenizer, problems, **generation_args) -> float` fits in its place.
+`--upstream` runs the original's exact `diffusion_generate` on the 40M config (REF_PY, REF_DREAM; minutes).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxport import dream
+from jaxport.dream import bench
+
+UPSTREAM = Path(__file__).resolve().parents[2] / "shared" / "originals" / "bench" / "dream" / "bench_upstream.py"
+NAMES = {"exact": "exact", "cache": "+cache", "parallel": "+parallel", "both": "+cache +parallel"}  # for logs
+
+
+def settings(args) -> dict[str, dict]:
+    fast = {"cache": dict(cache=args.cache), "parallel": dict(threshold=args.threshold),
+            "both": dict(cache=args.cache, threshold=args.threshold)}
+    chosen = {}
+    for name in args.settings.split(","):
+        if name not in NAMES:
+            sys.exit(f"--settings: unknown {name!r}; choose from {', '.join(NAMES)}")
+        chosen[name] = {} if name == "exact" else dict(block_length=args.block_length, **fast[name])
+    return chosen
+
+
+def task_accuracy(model, tokenizer, problems, **generation_args) -> float:
+    from jaxport.dream import tasks
+    scores, _ = tasks.evaluate(model, tokenizer, problems, gen_len=generation_args.pop("max_new_tokens"),
+                               **generation_args)
+    return scores["exact_match"]
+
+
+def speed(model, input_ids, attention_mask, repeats: int, **generation_args) -> dict:
+    """Compile time and the median seconds of one batch's generation."""
+    run = lambda: jax.block_until_ready(model.diffusion_generate(input_ids, attention_mask,
+                                                                 return_dict_in_generate=False, **generation_args))
+    first, times = bench.timed(run, repeats)
+    median = statistics.median(times)
+    return {"compile_s": round(first - median, 2), "median_s": round(median, 5),
+            "times_s": [round(t, 5) for t in times]}
+
+
+def upstream(lengths: list[int], batches: list[int], prompt_len: int) -> dict:
+    """The original's exact generation on the 40M config: {(length, batch): seconds}."""
+    found = {}
+    for length in lengths:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "upstream.json"
+            subprocess.run([os.environ.get("REF_PY", sys.executable), str(UPSTREAM), "--out", str(out),
+                            "--max-new-tokens", str(length), "--steps", str(length), "--prompt-len", str(prompt_len),
+                            "--batches", ",".join(map(str, batches)), "--runs", "1", "--warmup", "0"], check=True,
+                           stdout=sys.stderr)
+            for row in json.loads(out.read_text())["results"]:
+                found[(length, row["batch"])] = row["median_s"]
+    return found
+
+
+def table(rows: list[dict], names: list[str], with_accuracy: bool, args) -> str:
+    titles = {"exact": "exact", "cache": f"+{args.cache} cache", "parallel": f"+parallel ({args.threshold})",
+              "both": f"+{args.cache} cache +parallel ({args.threshold})"}
+    header = "| new tokens | batch | " + " | ".join(titles[n] for n in names) + " |"
+    lines = [header, "|" + " --- |" * (len(names) + 2)]
+    for length, batch in dict.fromkeys((r["max_new_tokens"], r["batch"]) for r in rows):
+        cells = []
+        for name in names:
+            r = next(r for r in rows if (r["max_new_tokens"], r["batch"], r["setting"]) == (length, batch, name))
+            accuracy = f"{100 * r['accuracy']:.1f}% / " if with_accuracy else ""
+            cells.append(f"{accuracy}{r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x)")
+        lines.append(f"| {length} | {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="Hugging Face Dream directory with an exact-match task (task-demo)")
+    source.add_argument("--random-init", help="random weights of a named size (40m, tiny, 7b): speed only")
+    parser.add_argument("--lengths", default="128,256", help="generation lengths (new tokens)")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--settings", default=None, help="of exact,cache,parallel,both (default: all with --model, "
+                                                         "exact,cache with --random-init)")
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--cache", default="dual", help="prefix or dual")
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--alg", default="entropy")
+    parser.add_argument("--problems", type=int, default=256, help="held-out problems for the accuracy")
+    parser.add_argument("--eval-batch-size", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32, help="random-init prompt length")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--upstream", action="store_true", help="also time the PyTorch original's exact path")
+    args = parser.parse_args()
+    args.settings = args.settings or ("exact,cache,parallel,both" if args.model else "exact,cache")
+    chosen, lengths = settings(args), [int(n) for n in args.lengths.split(",")]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+
+    problems = tokenizer = None
+    if args.model:
+        from jaxport.dream import tasks
+        model, tokenizer = dream.load(args.model, dtype=args.dtype)
+        problems = tasks.demo_test_problems(args.problems, args.seed)
+        width = max(len(tokenizer.encode(p.prompt)) for p in problems)
+    else:
+        model = dream.random_model(dream.preset(args.random_init), dtype=args.dtype, seed=args.seed)
+        cfg = model.config
+        low = min(cfg.mask_token_id, cfg.eos_token_id, cfg.vocab_size)  # prompts below every special id
+    rows = []
+    for length in lengths:
+        accuracy = {}
+        for name, fast in chosen.items():
+            generation_args = dict(max_new_tokens=length, steps=length, alg=args.alg, **fast)
+            if problems:
+                accuracy[name] = task_accuracy(model, tokenizer, problems, batch_size=args.eval_batch_size,
+                                               **generation_args)
+            for batch in batches:
+                if problems:
+                    ids, mask = tokenizer([p.prompt for p in problems[:batch]], pad_to=width)
+                else:
+                    ids = np.random.default_rng(args.seed + batch).integers(0, low, (batch, args.prompt_len))
+                    ids, mask = ids.astype(np.int32), None
+                timing = speed(model, ids, mask, args.repeats, **generation_args)
+                rows.append({"setting": name, "max_new_tokens": length, "batch": batch, **fast, **timing,
+                             "tokens_per_s": round(batch * length / timing["median_s"], 2),
+                             "accuracy": accuracy.get(name)})
+                print(f"{length} tokens, batch {batch}, {NAMES[name]}: {rows[-1]['tokens_per_s']} tok/s"
+                      + (f", accuracy {accuracy[name]:.3f}" if problems else ""), file=sys.stderr)
+    for r in rows:
+        exact = next((e for e in rows if e["setting"] == "exact" and (e["max_new_tokens"], e["batch"]) ==
+                      (r["max_new_tokens"], r["batch"])), None)
+        r["speedup"] = round(exact["median_s"] / r["median_s"], 2) if exact else float("nan")
+    result = {"what": "jaxport Dream fast decoding (Fast-dLLM) vs exact", **bench.environment(),
+              "model": args.model or f"random-init {args.random_init}", "dtype": args.dtype, "alg": args.alg,
+              "block_length": args.block_length, "cache": args.cache, "threshold": args.threshold,
+              "problems": len(problems) if problems else None, "results": rows,
+              "peak_device_memory_bytes": bench.peak_memory_bytes(),
+              "date": time.strftime("%Y-%m-%d"), "loadavg": os.getloadavg()}
+    if args.upstream:
+        original = upstream(lengths, batches, args.prompt_len)
+        for r in rows:
+            if (r["max_new_tokens"], r["batch"]) in original:
+                r["speedup_vs_original_exact"] = round(original[(r["max_new_tokens"], r["batch"])] / r["median_s"], 2)
+        result["original_exact_s"] = {f"{n} tokens, batch {b}": s for (n, b), s in original.items()}
+    result["markdown"] = table(rows, list(chosen), bool(problems), args)
+    print(json.dumps(result, indent=1))
+    print(result["markdown"], file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

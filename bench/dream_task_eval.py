@@ -1,0 +1,45 @@
+"""Exact-match accuracy of a Dream model on held-out synthetic problems (`jaxport.dream.tasks`), as JSON.
+
+    jaxport dream train --preset task-demo          # trains and exports runs/dream-task-demo/hf
+    python bench/dream_task_eval.py --model runs/dream-task-demo/hf [--problems 256]
+
+The problems are the `task-demo` preset's held-out test set (none occurs in training). Decoding is
+exact by default: 128 new tokens in 128 steps (one token per step), entropy order, temperature 0.
+"""
+
+import argparse
+import json
+import time
+
+from jaxport import dream
+from jaxport.dream import bench, tasks
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="Hugging Face Dream directory (e.g. runs/dream-task-demo/hf)")
+    parser.add_argument("--problems", type=int, default=256, help="held-out problems (at least 200 for the target)")
+    parser.add_argument("--seed", type=int, default=0, help="the seed the task-demo run was trained with")
+    parser.add_argument("--gen-len", type=int, default=128, help="new tokens (the trained response span)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: --gen-len, exact)")
+    parser.add_argument("--alg", default="entropy")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--show", type=int, default=3, help="print this many wrong answers")
+    args = parser.parse_args()
+    model, tokenizer = dream.load(args.model, dtype=args.dtype)
+    problems = tasks.demo_test_problems(args.problems, args.seed)
+    start = time.perf_counter()
+    scores, completions = tasks.evaluate(model, tokenizer, problems, gen_len=args.gen_len, batch_size=args.batch_size,
+                                         steps=args.steps or args.gen_len, alg=args.alg)
+    seconds = time.perf_counter() - start
+    wrong = [{"prompt": p.prompt, "answer": p.answer, "completion": c}
+             for p, c in zip(problems, completions) if c != p.answer][:args.show]
+    print(json.dumps({"what": "exact match on held-out task-demo problems", "model": args.model, **scores,
+                      "gen_len": args.gen_len, "steps": args.steps or args.gen_len, "alg": args.alg,
+                      "temperature": 0.0, "dtype": args.dtype, "seconds": round(seconds, 1), "wrong_examples": wrong,
+                      **bench.environment()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

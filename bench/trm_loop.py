@@ -1,0 +1,67 @@
+"""Benchmark: the TRM training loop (`jaxport trm train`) on a dataset folder, as the original's
+run_training.py harness runs upstream's pretrain.py: same upstream-style overrides, same data, evaluation
+as configured. Prints JSON with the seconds per step over the whole run with evaluation and the first
+(compiling) step excluded, the compile time, evaluation time, the final losses and peak RSS.
+
+    python bench/trm_loop.py --data DATASET_PARENT -- arch=trm arch.hidden_size=64 ... epochs=4 eval_interval=1
+
+`--data` is the folder that holds `data/{train,test}` (the layout the original's harness reads).
+"""
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+from _common import emit, environment, peak_rss_bytes
+
+from jaxport.trm.run_config import load_run_config
+from jaxport.trm.train import Trainer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    scratch = tempfile.mkdtemp(prefix="trm_loop_")
+    config = load_run_config(args.overrides + [f"data_paths=[{Path(args.data) / 'data'}]", "evaluators=[]",
+                                               f"checkpoint_path={scratch}/run", "+project_name=bench",
+                                               "+run_name=loop", "checkpoint_every_eval=false"])
+    trainer = Trainer(config)
+    marks = {"eval_s": 0.0}
+    train_batch, evaluate = trainer.train_batch, trainer.evaluate
+
+    def timed_train_batch(batch):
+        ran = train_batch(batch)
+        if trainer.step == 1:  # the first step compiles: time the loop from its end
+            jax.block_until_ready(trainer.state)
+            marks["first_step_done"] = time.perf_counter()
+        return ran
+
+    def timed_evaluate():
+        jax.block_until_ready(trainer.state)
+        start = time.perf_counter()
+        result = evaluate()
+        marks["eval_s"] += time.perf_counter() - start
+        return result
+
+    trainer.train_batch, trainer.evaluate = timed_train_batch, timed_evaluate
+    start = time.perf_counter()
+    result = trainer.train()
+    end = time.perf_counter()
+    steps = result["step"]
+    loop_s = end - marks["first_step_done"] - marks["eval_s"]
+    rows = [json.loads(line) for line in (Path(scratch) / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/lm_loss"] for r in rows if "train/lm_loss" in r]
+    emit({"benchmark": "trm_training_loop", "machine": environment(), "overrides": args.overrides, "steps": steps,
+          "step_s": round(loop_s / (steps - 1), 5), "loop_s_excluding_eval": round(loop_s, 2),
+          "first_step_incl_compile_s": round(marks["first_step_done"] - start, 2), "eval_s": round(marks["eval_s"], 2),
+          "wall_s": round(end - start, 2), "final_eval": result["eval"], "lm_loss_first_last": [losses[0], losses[-1]],
+          "peak_rss_bytes": peak_rss_bytes()})
+
+
+if __name__ == "__main__":
+    main()
