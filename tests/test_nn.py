@@ -116,3 +116,26 @@ def test_linear_keeps_float32_params_and_casts_at_use():
     layer = Linear(8, 4, bias=True, rngs=nnx.Rngs(0))
     y = layer(jnp.ones((2, 3, 8), jnp.bfloat16))
     assert layer.weight[...].dtype == jnp.float32 and y.dtype == jnp.bfloat16 and y.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_causal_attention_in_blocks_equals_the_full_product(rate, monkeypatch):
+    """GPT's causal self-attention skips fully masked key blocks; the result (dropout mask included) is the
+    full [S, S] computation's bit for bit."""
+    from jaxport.nn import attention
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 256, 3, 16)), jnp.float32) for _ in range(3))
+    key = jax.random.key(5) if rate else None
+    blocked = dot_product_attention(q, k, v, causal=True, dropout_rate=rate, dropout_rng=key)
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", 1024)  # one block: the full product
+    full = dot_product_attention(q, k, v, causal=True, dropout_rate=rate, dropout_rng=key)
+    np.testing.assert_array_equal(np.asarray(blocked), np.asarray(full))
+
+
+def test_dropout_masks_are_independent_across_positions_and_keys():
+    import importlib
+    keep_mask = importlib.import_module("jaxport.nn.dropout").keep_mask
+    a = np.asarray(keep_mask((1000, 1000), 0.25, jax.random.key(0)))
+    b = np.asarray(keep_mask((1000, 1000), 0.25, jax.random.key(1)))
+    assert abs(1 - a.mean() - 0.25) < 0.002
+    for x, y in ((a[:-1], a[1:]), (a[:, :-1], a[:, 1:]), (a, b)):  # neighbours and another key: uncorrelated
+        assert abs(np.corrcoef(x.ravel(), y.ravel())[0, 1]) < 0.01

@@ -8,6 +8,7 @@
 Shapes: B batch, S = puzzle positions P + seq_len positions, D hidden.
 """
 
+import functools
 import math
 
 import jax
@@ -260,15 +261,16 @@ class TRM(nnx.Module):
         return carry, loss, metrics, outputs, jnp.all(carry.halted)
 
     def __call__(self, carry: Carry, batch: dict):
-        batch = {k: jnp.asarray(batch[k]) for k in BATCH_KEYS}
-        return _jitted_forward(self, carry, batch)
+        """`forward`, compiled; the halting RNG's new state is written back to the module."""
+        outputs, state = _forward(*nnx.split(self), carry, {k: jnp.asarray(batch[k]) for k in BATCH_KEYS})
+        nnx.update(self, state)
+        return outputs
 
 
-@nnx.jit
-def _jitted_forward(model: TRM, carry: Carry, batch: dict):
-    return model.forward(carry, batch)
-
-
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward(graphdef, state, carry: Carry, batch: dict):
+    model = nnx.merge(graphdef, state)
+    return model.forward(carry, batch), nnx.state(model)
 
 def loss_and_grad(model: TRM, carry: Carry, batch: dict, global_batch_size: int, halt_key=None):
     """One training-mode ACT call and the gradient of `loss / global_batch_size` (upstream's
