@@ -12,7 +12,7 @@ from jaxport import cli, gpt
 from jaxport.checkpoint import load_torch_file, save_torch_file
 from jaxport.errors import JaxportError
 from jaxport.gpt import cli as gpt_cli
-from jaxport.gpt.params import load_checkpoint
+from jaxport.gpt.model import load_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpt"
 README_CPU = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",

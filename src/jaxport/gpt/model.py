@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxport.errors import JaxportError
+from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
 from jaxport.nn import Linear, dot_product_attention, dropout
 
@@ -236,17 +237,63 @@ class GPT(nnx.Module):
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
+    def from_state_dict(cls, config: GPTConfig, state_dict: dict, source: str) -> "GPT":
+        """A model of `config` holding a nanoGPT-named state dict; every key and shape is checked."""
+        model = cls.abstract(config)
+        graphdef, abstract = nnx.split(model)
+        expected = params.tree_to_named(nnx.to_pure_dict(abstract), config)
+        weights = params.nanogpt_weights(state_dict, config, source)
+        for name, value in weights.items():
+            if value.shape != expected[name].shape:
+                raise JaxportError(f"{source}: {name} has shape {list(value.shape)}, the model expects "
+                                   f"{list(expected[name].shape)}")
+        return nnx.merge(graphdef, params.named_to_tree({k: jnp.asarray(v, jnp.float32) for k, v in weights.items()}))
+
+    @classmethod
     def from_checkpoint(cls, path: str | Path, **overrides) -> "GPT":
         """A nanoGPT `ckpt.pt` (keys with or without `_orig_mod.`), or a run folder holding one."""
-        from jaxport.gpt.params import load_checkpoint
         return load_checkpoint(path, **overrides).model
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, override_args: dict | None = None) -> "GPT":
         """GPT-2 weights from a local Hugging Face directory (save_pretrained or hub layout),
         or `gpt2`/`gpt2-medium`/`gpt2-large`/`gpt2-xl` resolved as params.resolve_pretrained says."""
-        from jaxport.gpt.params import load_pretrained
-        return load_pretrained(name_or_path, override_args)
+        override_args = dict(override_args or {})
+        others = sorted(set(override_args) - {"dropout"})
+        if others:
+            raise JaxportError(f"only dropout can be overridden for pretrained GPT-2, not {others}")
+        directory, config, weights = params.read_pretrained(name_or_path)
+        config = dataclasses.replace(config, dropout=float(override_args.get("dropout", 0.0)))
+        return cls.from_state_dict(config, weights, str(directory))
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """What a nanoGPT ckpt.pt holds, with the model built and loaded."""
+    model: GPT
+    path: Path
+    iter_num: int
+    best_val_loss: float
+    config: dict  # the training configuration (train.py's globals)
+    optimizer: dict | None  # torch AdamW state_dict, numpy arrays
+
+
+def load_checkpoint(path: str | Path, **overrides) -> Checkpoint:
+    """Read a nanoGPT ckpt.pt (or a run folder holding one). `overrides` replace model_args
+    entries, e.g. `dropout=0.1`; a larger block_size than the checkpoint's is refused."""
+    path, ckpt = params.read_checkpoint(path)
+    block_size = overrides.pop("block_size", None)
+    config = GPTConfig.from_model_args({**ckpt["model_args"], **overrides}, where=f"{path} model_args")
+    model = GPT.from_state_dict(config, ckpt["model"], str(path))
+    if block_size is not None and block_size != config.block_size:
+        if block_size > config.block_size:
+            raise JaxportError(f"block_size={block_size} is larger than the checkpoint's block_size "
+                               f"{config.block_size} ({path}); use at most {config.block_size}")
+        model.crop_block_size(block_size)
+    best = ckpt.get("best_val_loss", float("inf"))
+    return Checkpoint(model=model, path=path, iter_num=int(ckpt.get("iter_num", 0)),
+                      best_val_loss=float(np.asarray(best)), config=dict(ckpt.get("config") or {}),
+                      optimizer=ckpt.get("optimizer"))
 
 
 def estimate_mfu(num_params: int, config: GPTConfig, fwdbwd_per_iter: int, dt: float,

@@ -1,27 +1,29 @@
-"""Checkpoint names: nanoGPT `ckpt.pt` and Hugging Face GPT-2 <-> `jaxport.gpt.GPT`.
+"""Checkpoint names and formats: nanoGPT `ckpt.pt` and Hugging Face GPT-2 <-> `jaxport.gpt.GPT`'s parameters.
 
 nanoGPT's state-dict keys (`transformer.h.0.attn.c_attn.weight`, ..., `lm_head.weight`)
 are HF's `GPT2LMHeadModel` keys; HF stores the four Conv1D weights as [in, out], nanoGPT
 (and jaxport) as [out, in]. The AdamW moments of a ckpt.pt are indexed by parameter
 position: first the decayed (2-D) parameters, then the others, each in named_parameters order.
+This module maps names and reads files; building a model from them is `jaxport.gpt.model`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxport.checkpoint import load_torch_file, strip_prefix
+from jaxport.checkpoint.names import NameTable
 from jaxport.errors import JaxportError
 from jaxport.gpt.config import GPTConfig
-from jaxport.gpt.model import GPT
 
+# nanoGPT state-dict key -> path in `nnx.state(GPT)`; the tied lm_head is wte itself (no entry)
+NAMES = NameTable([("transformer.wte.weight", "wte"), ("transformer.wpe.weight", "wpe"),
+                   ("transformer.h.{i}.{rest}", "h.{i}.{rest}"), ("transformer.ln_f.{name}", "ln_f.{name}")])
 COMPILE_PREFIX = "_orig_mod."  # torch.compile'd models save their keys under this prefix
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 GPT2_SIZES = {  # nanoGPT's from_pretrained table
@@ -49,20 +51,11 @@ def optimizer_param_order(config: GPTConfig) -> tuple[list[str], list[str]]:
     return decay, [n for n in names if n not in decay]
 
 
-def nnx_path(name: str) -> tuple:
-    """nanoGPT name -> path in `nnx.state(model)`: `transformer.h.0.ln_1.weight` -> ('h', 0, 'ln_1', 'weight');
-    wte and wpe are bare parameters (the tied head is wte itself)."""
-    parts = name.removeprefix("transformer.").split(".")
-    if parts[0] in ("wte", "wpe"):
-        return (parts[0],)
-    return tuple(int(p) if p.isdigit() else p for p in parts)
-
-
 def named_to_tree(named: dict) -> dict:
     """{nanoGPT name: array} -> the nested dict `nnx.merge` takes (a pure state dict)."""
     tree = {}
     for name, value in named.items():
-        *parents, leaf = nnx_path(name)
+        *parents, leaf = NAMES.to_module(name)
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
@@ -74,58 +67,37 @@ def tree_to_named(tree: dict, config: GPTConfig) -> dict:
     named = {}
     for name in param_names(config):
         node = tree
-        for p in nnx_path(name):
+        for p in NAMES.to_module(name):
             node = node[p]
         named[name] = node
     return named
 
 
-def _param(model: GPT, key: str) -> nnx.Param:
-    obj = model
-    for p in nnx_path(key):
-        obj = obj[p] if isinstance(p, int) else getattr(obj, p)
-    return obj
-
-
-def model_state_dict(model: GPT) -> dict[str, np.ndarray]:
-    """nanoGPT's `model.state_dict()`: float32 numpy arrays, lm_head.weight last (= wte)."""
-    sd = {k: np.asarray(_param(model, k)[...], np.float32) for k in param_names(model.config)}
+def model_state_dict(model) -> dict[str, np.ndarray]:
+    """nanoGPT's `model.state_dict()` of a `GPT`: float32 numpy arrays, lm_head.weight last (= wte)."""
+    named = tree_to_named(nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config)
+    sd = {k: np.asarray(v, np.float32) for k, v in named.items()}
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
     return sd
 
 
-def load_state_dict(model: GPT, state_dict: dict, source: str) -> GPT:
-    """Copy a nanoGPT-named state dict into `model`, checking every key and shape."""
+def nanogpt_weights(state_dict: dict, config: GPTConfig, source: str) -> dict:
+    """A nanoGPT-named state dict (`_orig_mod.` keys and nanoGPT's `attn.bias` mask buffers allowed) checked
+    against the names `config` implies: {name: array} of exactly the model's parameters."""
     sd = strip_prefix(state_dict, COMPILE_PREFIX)
     # nanoGPT's non-flash path saves (1,1,T,T) causal-mask buffers as h.N.attn.bias.
     sd = {k: v for k, v in sd.items() if not k.endswith(".attn.bias")}
-    expected = param_names(model.config)
+    expected = param_names(config)
     missing = [k for k in expected if k not in sd]
     unexpected = sorted(set(sd) - set(expected) - {"lm_head.weight"})
     if missing or unexpected:
-        raise JaxportError(f"{source}: state dict does not fit the model (n_layer={model.config.n_layer}, "
-                           f"bias={model.config.bias}): missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+        raise JaxportError(f"{source}: state dict does not fit the model (n_layer={config.n_layer}, "
+                           f"bias={config.bias}): missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
                            f"unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
-    for k in expected:
-        param, value = _param(model, k), np.asarray(sd[k])
-        if value.shape != param.shape:
-            raise JaxportError(f"{source}: {k} has shape {list(value.shape)}, the model expects {list(param.shape)}")
-        param.set_value(jnp.asarray(value, jnp.float32))
-    return model
+    return {k: np.asarray(sd[k]) for k in expected}
 
 
 # -- nanoGPT ckpt.pt ----------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Checkpoint:
-    """What a nanoGPT ckpt.pt holds, with the model built and loaded."""
-    model: GPT
-    path: Path
-    iter_num: int
-    best_val_loss: float
-    config: dict  # the training configuration (train.py's globals)
-    optimizer: dict | None  # torch AdamW state_dict, numpy arrays
-
 
 def checkpoint_path(path: str | os.PathLike) -> Path:
     path = Path(path)
@@ -145,25 +117,6 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
         found = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         raise JaxportError(f"{path} is not a nanoGPT ckpt.pt: expected keys 'model' and 'model_args', found {found}")
     return path, ckpt
-
-
-def load_checkpoint(path: str | os.PathLike, **overrides) -> Checkpoint:
-    """Read a nanoGPT ckpt.pt (or a run folder holding one). `overrides` replace model_args
-    entries, e.g. `dropout=0.1`; a larger block_size than the checkpoint's is refused."""
-    path, ckpt = read_checkpoint(path)
-    model_args = dict(ckpt["model_args"])
-    block_size = overrides.pop("block_size", None)
-    config = GPTConfig.from_model_args({**model_args, **overrides}, where=f"{path} model_args")
-    model = load_state_dict(GPT.abstract(config), ckpt["model"], str(path))
-    if block_size is not None and block_size != config.block_size:
-        if block_size > config.block_size:
-            raise JaxportError(f"block_size={block_size} is larger than the checkpoint's block_size "
-                               f"{config.block_size} ({path}); use at most {config.block_size}")
-        model.crop_block_size(block_size)
-    best = ckpt.get("best_val_loss", float("inf"))
-    return Checkpoint(model=model, path=path, iter_num=int(ckpt.get("iter_num", 0)),
-                      best_val_loss=float(np.asarray(best)), config=dict(ckpt.get("config") or {}),
-                      optimizer=ckpt.get("optimizer"))
 
 
 # -- Hugging Face GPT-2 -------------------------------------------------------------------------
@@ -223,11 +176,8 @@ def hf_to_nanogpt_state_dict(weights: dict[str, np.ndarray]) -> dict[str, np.nda
     return sd
 
 
-def load_pretrained(name_or_path: str | os.PathLike, override_args: dict | None = None) -> GPT:
-    override_args = dict(override_args or {})
-    others = sorted(set(override_args) - {"dropout"})
-    if others:
-        raise JaxportError(f"only dropout can be overridden for pretrained GPT-2, not {others}")
+def read_pretrained(name_or_path: str | os.PathLike) -> tuple[Path, GPTConfig, dict]:
+    """(directory, config, nanoGPT-named weights) of Hugging Face GPT-2 weights (see resolve_pretrained)."""
     directory = resolve_pretrained(name_or_path)
     config_file = directory / "config.json"
     if not config_file.exists():
@@ -238,9 +188,8 @@ def load_pretrained(name_or_path: str | os.PathLike, override_args: dict | None 
     if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
         raise JaxportError(f"{config_file}: n_inner={hf['n_inner']} differs from 4*n_embd, which nanoGPT assumes")
     config = GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                       block_size=hf["n_positions"], vocab_size=hf["vocab_size"], bias=True,
-                       dropout=float(override_args.get("dropout", 0.0)))
-    return load_state_dict(GPT.abstract(config), hf_to_nanogpt_state_dict(_read_hf_weights(directory)), str(directory))
+                       block_size=hf["n_positions"], vocab_size=hf["vocab_size"], bias=True)
+    return directory, config, hf_to_nanogpt_state_dict(_read_hf_weights(directory))
 
 
 # -- AdamW moments: torch state_dict <-> optax ---------------------------------------------------

@@ -35,7 +35,7 @@ from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
 from jaxport.gpt.data import Batches, load_meta
-from jaxport.gpt.model import GPT, device_peak_flops, estimate_mfu
+from jaxport.gpt.model import GPT, Checkpoint, device_peak_flops, estimate_mfu, load_checkpoint
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
 
 # nanoGPT train.py's globals, same names and defaults (GPT-2 124M on OpenWebText).
@@ -100,7 +100,7 @@ def adamw(weight_decay: float, beta1: float, beta2: float, eps: float = 1e-8):
 
 
 def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = None
-                  ) -> tuple[GPT, gpt_params.Checkpoint | None]:
+                  ) -> tuple[GPT, Checkpoint | None]:
     """train.py's init_from: a new model, the run's ckpt.pt (returned too), or GPT-2 weights. With
     `model_args` (a jaxport run's own checkpoint, restored afterwards) a model of that size."""
     init_from, ckpt = cfg["init_from"], None
@@ -112,7 +112,7 @@ def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = N
                           vocab_size=vocab_size if vocab_size is not None else 50304)
         model = GPT.init(GPTConfig(**model_args), seed=cfg["seed"])
     elif init_from == "resume":  # the architecture comes from the checkpoint, dropout from the flags
-        ckpt = gpt_params.load_checkpoint(Path(cfg["out_dir"]) / "ckpt.pt", dropout=cfg["dropout"])
+        ckpt = load_checkpoint(Path(cfg["out_dir"]) / "ckpt.pt", dropout=cfg["dropout"])
         model = ckpt.model
     elif init_from.startswith("gpt2") or Path(init_from).is_dir():
         model = GPT.from_pretrained(init_from, dict(dropout=cfg["dropout"]))
@@ -332,7 +332,7 @@ def load_trained_model(out_dir) -> tuple[GPT, dict]:
 
                 state, meta = checkpoints.restore(abstract_params, partial=True)
                 return nnx.merge(graphdef, state["params"]), meta["config"]
-    ckpt = gpt_params.load_checkpoint(out_dir)
+    ckpt = load_checkpoint(out_dir)
     return ckpt.model, ckpt.config
 
 

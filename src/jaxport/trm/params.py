@@ -14,13 +14,15 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from jaxport.checkpoint import load_torch_file, save_torch_file, strip_prefix
+from jaxport.checkpoint import load_torch_file, save_torch_file
+from jaxport.checkpoint.names import NameTable, path_parts
 from jaxport.errors import JaxportError
 from jaxport.trm.config import TRMConfig, read_all_config
 from jaxport.trm.model import TRM
 
-COMPILED_PREFIX = "_orig_mod."
-INNER_PREFIX = "model.inner."
+COMPILED_PREFIX = "_orig_mod."  # upstream saves torch.compile'd models
+# upstream key -> path under `TRM.inner`, with the compiled prefix first: the form upstream writes
+NAMES = NameTable([(COMPILED_PREFIX + "model.inner.{rest}", "{rest}"), ("model.inner.{rest}", "{rest}")])
 
 
 def upstream_keys(config: TRMConfig) -> list[str]:
@@ -38,15 +40,25 @@ def upstream_keys(config: TRMConfig) -> list[str]:
 
 def _variable(model: TRM, key: str) -> nnx.Variable:
     node = model.inner
-    for part in key.split("."):
-        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    for part in path_parts(key):
+        node = node[part] if isinstance(part, int) else getattr(node, part)
     return node
 
 
 def state_dict(model: TRM) -> dict[str, np.ndarray]:
     """Upstream-named numpy arrays: parameters float32, H_init/L_init in the forward dtype."""
-    return {COMPILED_PREFIX + INNER_PREFIX + key: np.asarray(_variable(model, key)[...])
+    return {NAMES.to_checkpoint(path_parts(key)): np.asarray(_variable(model, key)[...])
             for key in upstream_keys(model.config)}
+
+
+def relative_weights(raw: dict) -> dict:
+    """An upstream state dict keyed relative to the inner model (`L_level.layers.0...`); keys of other
+    models pass through unchanged, so that `check_keys` names them."""
+    relative = {}
+    for key, value in raw.items():
+        path = NAMES.to_module(key)
+        relative[".".join(str(p) for p in path) if path else key] = value
+    return relative
 
 
 def _dataset_sizes(config: dict, config_path: Path) -> dict:
@@ -86,7 +98,7 @@ def load_upstream_checkpoint(checkpoint_path: str | Path, config_path: str | Pat
     raw = load_torch_file(checkpoint_path, "TRM checkpoint")
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise JaxportError(f"{checkpoint_path} is not a state dict (expected a mapping of tensor names to tensors)")
-    weights = strip_prefix(strip_prefix(raw, COMPILED_PREFIX), INNER_PREFIX)
+    weights = relative_weights(raw)
     arch = run_config["arch"]
     sizes = _sizes_from_weights(weights, arch, arch.get("hidden_size", 512))
     sizes.update(_dataset_sizes(run_config, config_path))

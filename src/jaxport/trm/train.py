@@ -104,9 +104,7 @@ class Trainer:
                 restored, _ = source.restore({"params": params, "buffers": buffers}, partial=True)
             nnx.update(self.model, restored["params"], restored["buffers"])
             return
-        weights = load_torch_file(path, "load_checkpoint")
-        weights = trm_params.strip_prefix(trm_params.strip_prefix(weights, trm_params.COMPILED_PREFIX),
-                                          trm_params.INNER_PREFIX)
+        weights = trm_params.relative_weights(load_torch_file(path, "load_checkpoint"))
         trm_params.load_state_dict(self.model, weights, source=path)
 
     def _make_evaluators(self):
