@@ -4,6 +4,8 @@ Every family names array dimensions logically (`batch`, `embed`, `heads`, ...) a
 these rules decide which mesh axis, if any, splits them, as MaxText does.
 """
 
+import math
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -36,33 +38,35 @@ def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1, devices=None) -> Me
     return Mesh(np.asarray(devices).reshape(sizes), ("data", "fsdp", "model"))
 
 
-def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
-    """NamedSharding for an array whose dimensions have these logical names."""
+def logical_sharding(mesh: Mesh, *logical_axes: str | None, shape: tuple | None = None) -> NamedSharding:
+    """NamedSharding for an array whose dimensions have these logical names. With `shape`, a dimension
+    that its mesh axes do not divide evenly is replicated instead."""
     spec = []
-    for name in logical_axes:
+    for i, name in enumerate(logical_axes):
         axes = LOGICAL_AXIS_RULES.get(name) if name else None
         if isinstance(axes, tuple):
             axes = tuple(a for a in axes if mesh.shape[a] > 1) or None
             axes = axes[0] if axes and len(axes) == 1 else axes
         elif axes is not None and mesh.shape[axes] == 1:
             axes = None
+        if axes is not None and shape is not None:
+            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+            axes = axes if shape[i] % ways == 0 else None
         spec.append(axes)
     return NamedSharding(mesh, P(*spec))
 
 
+def tree_shardings(tree, mesh: Mesh, logical_axes_of):
+    """Shardings for a tree of parameters: `logical_axes_of(dotted path)` names each array's dimensions
+    (a family's table of logical axes), and `logical_sharding` places them on the mesh."""
+    def sharding(path, x):
+        dotted = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        return logical_sharding(mesh, *logical_axes_of(dotted), shape=np.shape(x))
+    return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
 def replicate(tree, mesh: Mesh):
     return jax.device_put(tree, NamedSharding(mesh, P()))
-
-
-def fsdp_shardings(tree, mesh: Mesh):
-    """ZeRO-3 style shardings for parameters or optimizer state: the first dimension of each 2-D+
-    array is split over the mesh's `fsdp` axis where it divides evenly; everything else is replicated."""
-    ways = mesh.shape["fsdp"]
-
-    def sharding(x):
-        split = ways > 1 and np.ndim(x) >= 2 and np.shape(x)[0] % ways == 0
-        return NamedSharding(mesh, P("fsdp") if split else P())
-    return jax.tree.map(sharding, tree)
 
 
 def _batch_sharding(mesh: Mesh, ndim: int, batch_dim: int = 0) -> NamedSharding:

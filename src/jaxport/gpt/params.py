@@ -24,6 +24,13 @@ from jaxport.gpt.config import GPTConfig
 # nanoGPT state-dict key -> path in `nnx.state(GPT)`; the tied lm_head is wte itself (no entry)
 NAMES = NameTable([("transformer.wte.weight", "wte"), ("transformer.wpe.weight", "wpe"),
                    ("transformer.h.{i}.{rest}", "h.{i}.{rest}"), ("transformer.ln_f.{name}", "ln_f.{name}")])
+# Logical axes of each parameter, by the end of its path (jaxport.distributed's rules put `embed` on the
+# mesh's fsdp axis, `heads`/`mlp`/`vocab` on its model axis).
+LOGICAL_AXES = (("wte", ("vocab", "embed")), ("wpe", (None, "embed")),
+                ("attn.c_attn.weight", ("heads", "embed")), ("attn.c_attn.bias", ("heads",)),
+                ("attn.c_proj.weight", ("embed", "heads")), ("mlp.c_fc.weight", ("mlp", "embed")),
+                ("mlp.c_fc.bias", ("mlp",)), ("mlp.c_proj.weight", ("embed", "mlp")),
+                ("c_proj.bias", ("embed",)), ("weight", ("embed",)), ("bias", ("embed",)))  # LayerNorms last
 COMPILE_PREFIX = "_orig_mod."  # torch.compile'd models save their keys under this prefix
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 GPT2_SIZES = {  # nanoGPT's from_pretrained table
@@ -32,6 +39,11 @@ GPT2_SIZES = {  # nanoGPT's from_pretrained table
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
+
+
+def logical_axes(path: str) -> tuple:
+    """The logical axes of the parameter at dotted module path `path` (e.g. `h.0.attn.c_attn.weight`)."""
+    return next(axes for suffix, axes in LOGICAL_AXES if path == suffix or path.endswith("." + suffix))
 
 
 def param_names(config: GPTConfig) -> list[str]:

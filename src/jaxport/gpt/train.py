@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.distributed import fetch_replicated, fsdp_shardings, gather_to_host, make_mesh, replicate, shard_batch
+from jaxport.distributed import fetch_replicated, gather_to_host, make_mesh, replicate, shard_batch, tree_shardings
 from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
@@ -161,7 +162,8 @@ class Trainer:
         self.optimizer = adamw(wd, *betas, eps)
         self.betas, self.eps, self.weight_decay = betas, eps, wd
         params = nnx.to_pure_dict(state)
-        self.params = jax.device_put(params, fsdp_shardings(params, self.mesh))
+        param_shardings = tree_shardings(params, self.mesh, gpt_params.logical_axes)
+        self.params = jax.device_put(params, param_shardings)
         self.opt_state = jax.jit(self.optimizer.init)(self.params)
         if moments is not None:  # torch's exp_avg, exp_avg_sq and step are optax's mu, nu and count
             mu, nu, step = moments
@@ -170,7 +172,11 @@ class Trainer:
                 mu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in mu.items()}),
                 nu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in nu.items()}))
             self.opt_state = self.opt_state._replace(inner_state=(adam, *self.opt_state.inner_state[1:]))
-        self.opt_state = jax.device_put(self.opt_state, fsdp_shardings(self.opt_state, self.mesh))
+        # the AdamW moments are sharded as their parameters, everything else is replicated
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.opt_state = jax.device_put(self.opt_state, optax.tree_map_params(
+            self.optimizer, lambda _, sharding: sharding, self.opt_state, param_shardings,
+            transform_non_params=lambda _: replicated))
         self.loss_scale = replicate(self.loss_scale, self.mesh)
         state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
         self._step = _make_train_step(self.graphdef, self.optimizer, cfg["grad_clip"], cfg["dropout"] > 0,
