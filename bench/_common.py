@@ -1,5 +1,6 @@
-"""What every jaxport bench prints beside its timings: the machine and versions, this machine's measured
-matmul peak (so achieved FLOP/s reads as a fraction of what the hardware does here today), and peak memory."""
+"""What every jaxport bench prints beside its timings: the machine and versions, the peak that achieved FLOP/s
+is a fraction of (an accelerator's datasheet figure, else this machine's matmul rate measured today), and peak
+memory."""
 
 import json
 import os
@@ -9,10 +10,13 @@ import statistics
 import sys
 import time
 
+import flax
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 from jaxport import malloc
+from jaxport.gpt import device_peak_flops
 
 malloc.keep_freed_memory()  # as the jaxport command does
 
@@ -21,7 +25,8 @@ def environment() -> dict:
     device = jax.devices()[0]
     return {"platform": device.platform, "device": device.device_kind, "device_count": jax.device_count(),
             "cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+            "date": time.strftime("%Y-%m-%d")}
 
 
 def matmul_peak_flops(dtype="float32", n: int = 2048, repeats: int = 5) -> float:
@@ -39,15 +44,26 @@ def matmul_peak_flops(dtype="float32", n: int = 2048, repeats: int = 5) -> float
     return 2 * n ** 3 / statistics.median(times)
 
 
-def utilisation(flops_per_call: float | None, seconds: float, dtype: str, peaks: dict) -> dict:
-    """Achieved GFLOP/s and its fraction of the probed peak for `dtype` (probed once per process)."""
-    if not flops_per_call:
-        return {}
+def peak_flops(dtype: str, peaks: dict) -> tuple[float, str]:
+    """(the FLOP/s that utilisation is a fraction of, where it comes from): a known accelerator's dense bf16
+    datasheet peak whatever `dtype` (nanoGPT's MFU convention), else this machine's `dtype` matmul rate,
+    probed once per process into `peaks`."""
+    datasheet, kind = device_peak_flops()
+    if datasheet:
+        return datasheet, f"{kind} bf16 datasheet"
     if dtype not in peaks:
         peaks[dtype] = matmul_peak_flops(dtype)
+    return peaks[dtype], f"probed {dtype} matmul"
+
+
+def utilisation(flops_per_call: float | None, seconds: float, dtype: str, peaks: dict) -> dict:
+    """Achieved GFLOP/s and its fraction of the peak for `dtype` (see `peak_flops`)."""
+    if not flops_per_call:
+        return {}
+    peak, source = peak_flops(dtype, peaks)
     achieved = flops_per_call / seconds
-    return {"achieved_gflops": round(achieved / 1e9, 1), "matmul_peak_gflops": round(peaks[dtype] / 1e9, 1),
-            "fraction_of_peak": round(achieved / peaks[dtype], 3)}
+    return {"achieved_gflops": round(achieved / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
+            "peak_source": source, "fraction_of_peak": round(achieved / peak, 3)}
 
 
 def compiled_flops(lowered) -> float | None:
@@ -59,6 +75,15 @@ def compiled_flops(lowered) -> float | None:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_high_water() -> dict:
+    """This process's memory high-water mark so far: the device allocator's peak where the backend keeps one
+    (GPU, TPU), else the peak RSS (CPU, where the device memory is the process's)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return {"memory_bytes": stats["peak_bytes_in_use"], "memory_source": "device peak_bytes_in_use"}
+    return {"memory_bytes": peak_rss_bytes(), "memory_source": "process peak RSS"}
 
 
 def emit(record: dict) -> None:

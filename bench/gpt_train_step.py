@@ -2,11 +2,13 @@
 
 Configurations as the original's harness (../shared/originals/bench/gpt/bench_upstream.py): nanoGPT
 README's small CPU config (`cpu_readme`) and train_shakespeare_char (`shakespeare`); `--dropout` overrides
-both (0 and 0.2 are the comparisons `bench/compare.py` makes). One iteration is what train.py does per
-optimizer step with gradient_accumulation_steps=1 on random ids: forward, backward, clipping, AdamW.
-Compile time is reported apart from the steady state, with achieved FLOP/s against the probed peak.
+both (0 and 0.2 are the comparisons `bench/compare.py` makes). `gpt2` is GPT-2 124M at block 1024, the
+accelerator size (`bench/suite.py`). One iteration is what train.py does per optimizer step with
+gradient_accumulation_steps=1 on random ids: forward, backward, clipping, AdamW, computed in float32 on a CPU
+and in bfloat16 on a GPU/TPU (as `jaxport gpt train` with nanoGPT's default --dtype). Compile time is reported
+apart from the steady state, with tokens/s, nanoGPT's MFU and XLA-counted FLOP/s against the device's peak.
 
-    python bench/gpt_train_step.py [--configs cpu_readme,shakespeare] [--dropout 0] [--iters 10] [--warmup 3]
+    python bench/gpt_train_step.py [--configs cpu_readme,shakespeare,gpt2] [--dropout 0] [--iters 10] [--warmup 3]
 """
 
 import argparse
@@ -14,24 +16,31 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from _common import compiled_flops, emit, environment, peak_rss_bytes, utilisation
+from _common import compiled_flops, emit, environment, peak_flops, peak_rss_bytes, utilisation
 
 from jaxport.gpt import train as gpt_train
+from jaxport.gpt.model import estimate_mfu
 
 CONFIGS = {  # the original harness's CONFIGS
     "cpu_readme": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0, vocab_size=65,
                        bias=False, learning_rate=1e-3, beta2=0.99, weight_decay=0.1),
     "shakespeare": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2, vocab_size=65,
                         bias=False, learning_rate=1e-3, beta2=0.99, weight_decay=0.1),
+    # jaxport's own: GPT-2 124M as nanoGPT's train.py defaults, one micro-batch of 8 rows
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8, dropout=0.0, vocab_size=50304,
+                 bias=False, learning_rate=6e-4, beta2=0.95, weight_decay=0.1),
 }
 
 
-def bench(name: str, dropout: float | None, iters: int, warmup: int, peaks: dict) -> dict:
-    spec = dict(CONFIGS[name], **({} if dropout is None else {"dropout": dropout}))
+def bench(name: str, dropout: float | None, iters: int, warmup: int, peaks: dict, **overrides) -> dict:
+    """One configuration's record; `overrides` replace its entries (batch_size, n_layer, ...)."""
+    spec = {**CONFIGS[name], **({} if dropout is None else {"dropout": dropout}), **overrides}
     vocab = spec.pop("vocab_size")
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **spec, "device": "cpu" if jax.default_backend() == "cpu" else "cuda",
-           "init_from": "scratch", "gradient_accumulation_steps": 1}
+    device = {"cpu": "cpu", "tpu": "tpu"}.get(jax.default_backend(), "cuda")
+    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **spec, "device": device, "init_from": "scratch",
+           "gradient_accumulation_steps": 1}
     trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
     rng = np.random.default_rng(0)
     shape = (1, cfg["batch_size"], cfg["block_size"])
@@ -46,10 +55,14 @@ def bench(name: str, dropout: float | None, iters: int, warmup: int, peaks: dict
         jax.block_until_ready(trainer.step(X, Y, cfg["learning_rate"], key))
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[warmup:])
-    return {"benchmark": "gpt_train_iter", "config": name, "dropout": spec["dropout"],
+    dtype, rows = jnp.dtype(trainer.dtype).name, cfg["batch_size"]
+    mfu = estimate_mfu(trainer.model.get_num_params(), trainer.model_config, rows, step_s, peak_flops(dtype, peaks)[0])
+    return {"benchmark": "gpt_train_iter", "config": name, "dropout": spec["dropout"], "dtype": dtype,
+            "batch_size": rows, "block_size": cfg["block_size"],
             "first_iter_incl_compile_s": round(times[0], 3), "compile_s": round(times[0] - step_s, 3),
             "iter_s_median": round(step_s, 5), "iter_s_all": [round(t, 5) for t in times[warmup:]],
-            "flops_per_iter": flops, **utilisation(flops, step_s, "float32", peaks), "peak_rss_bytes": peak_rss_bytes()}
+            "tokens_per_s": round(rows * cfg["block_size"] / step_s, 1), "mfu": round(mfu, 4),
+            "flops_per_iter": flops, **utilisation(flops, step_s, dtype, peaks), "peak_rss_bytes": peak_rss_bytes()}
 
 
 def main():

@@ -32,9 +32,15 @@ def sudoku_batch(batch_size: int, rng: np.random.Generator) -> dict:
             "puzzle_identifiers": np.zeros((batch_size,), np.int32)}
 
 
-def bench(mixer: str, dtype: str, loop: str, batch_size: int, steps: int, row_chunks: int | None, peaks: dict) -> dict:
-    config = TRMConfig(**PAPER_SUDOKU, mlp_t=mixer == "mlp_t", forward_dtype=dtype,
-                       pos_encodings="none" if mixer == "mlp_t" else "rope", batch_size=batch_size)
+def model_config(mixer: str, dtype: str, batch_size: int, arch: dict = PAPER_SUDOKU) -> TRMConfig:
+    """`arch` with the mixer's settings as upstream runs them (the README's mlp_t run has no positions)."""
+    return TRMConfig(**arch, mlp_t=mixer == "mlp_t", forward_dtype=dtype,
+                     pos_encodings="none" if mixer == "mlp_t" else "rope", batch_size=batch_size)
+
+
+def bench(mixer: str, dtype: str, loop: str, batch_size: int, steps: int, row_chunks: int | None, peaks: dict,
+          arch: dict = PAPER_SUDOKU) -> dict:
+    config = model_config(mixer, dtype, batch_size, arch)
     model = TRM(config, rngs=nnx.Rngs(0), unroll_cycles=loop == "unrolled", row_chunks=row_chunks)
     model.train()
     batch = {k: jnp.asarray(v) for k, v in sudoku_batch(batch_size, np.random.default_rng(0)).items()}
