@@ -20,11 +20,7 @@ README_CPU = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_inter
               "--lr_decay_iters=2000", "--dropout=0.0"]
 
 
-@pytest.fixture(autouse=True)
-def keep_malloc_defaults(monkeypatch):
-    """the jaxport command tunes glibc's malloc for its process; leave the test process alone."""
-    from jaxport import malloc
-    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: None)
+pytestmark = pytest.mark.usefixtures("keep_malloc_defaults")
 
 
 @pytest.fixture(scope="module")

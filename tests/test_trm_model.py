@@ -9,10 +9,10 @@ from flax import nnx
 
 from jaxport import trm
 from jaxport.errors import JaxportError
-from jaxport.trm.evaluate import reduce_eval_metrics, reduce_train_metrics, run_to_halt
+from jaxport.trm.evaluate import evaluate, reduce_train_metrics, run_to_halt
 from jaxport.trm.model import loss_and_grad
-from trm_fixtures import (FIXTURES, MODEL_CASES, NUM_DEVICES, accuracy_tol, arrays, batch, case, check_call, close,
-                          loss_tol, per_group)
+from trm_fixtures import (BATCH_KEYS, FIXTURES, MODEL_CASES, NUM_DEVICES, accuracy_tol, arrays, batch, case,
+                          check_call, close, loss_tol, per_group)
 
 
 # Each case as recorded, and the float32 cases again with the recursion run on two row chunks.
@@ -64,10 +64,24 @@ def test_eval_runs_to_max_steps(loaded):
         all_finish = jnp.all(carry.halted)
         check_call(name, f"eval/s{step}", carry, loss, metrics, outputs, all_finish, "eval")
 
-    (_, _, metrics, _), num_steps = run_to_halt(model, batch(name, "eval"), on_step=check)
+    eval_batch = batch(name, "eval")
+    _, num_steps = run_to_halt(model, eval_batch, on_step=check)
     assert num_steps == int(exp["eval/num_steps"]) == model.config.halt_max_steps
-    sums = {"all": {k: np.float32(v) for k, v in metrics.items()}}
-    for metric, value in reduce_eval_metrics(sums)["all"].items():
+    # upstream's evaluate(): the final call's metrics summed per set in float32, divided by the count; here
+    # over the batch's two halves (rows are independent in eval mode), so the sums run across batches
+    host_batch = {k: arrays(name)[0][f"eval/{k}"] for k in BATCH_KEYS}
+    half = len(host_batch["inputs"]) // 2
+    parts = [{k: v[rows] for k, v in host_batch.items()} for rows in (slice(None, half), slice(half, None))]
+    batches = [("all", eval_batch, host_batch)] if NUM_DEVICES else [("all", part, part) for part in parts]
+    result, saved = evaluate(model, batches, save_keys=("preds", "puzzle_identifiers"))
+    last = f"eval/s{num_steps - 1}"
+    robust = exp[f"{last}/pred_gap"] >= case(name)["robustness"]["labels_ignored_where_top2_gap_below"]
+    np.testing.assert_array_equal(saved["preds"][robust], exp[f"{last}/preds"][robust])
+    np.testing.assert_array_equal(saved["puzzle_identifiers"], host_batch["puzzle_identifiers"])
+    assert sorted(result) == sorted(f"all/{k}" for k in ("accuracy", "exact_accuracy", "lm_loss", "q_halt_accuracy",
+                                                         "q_halt_loss", "steps"))
+    for key, value in result.items():
+        metric = key.removeprefix("all/")
         expected = exp[f"eval/evaluate/{metric}"]
         tol = loss_tol(name) if metric.endswith("loss") else accuracy_tol(name) if metric == "accuracy" else \
             {"atol": 0, "rtol": 1e-7}

@@ -5,7 +5,7 @@ import logging
 import sys
 
 from jaxport import malloc
-from jaxport.errors import JaxportError
+from jaxport.errors import JaxportError, os_error
 
 FAMILIES = {
     "trm": "TinyRecursiveModels: demo, build datasets, train, evaluate",
@@ -31,13 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxport: unknown family {family!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     malloc.keep_freed_memory()
-    # orbax reports through absl's logger; jaxport says what matters in its own words
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    # orbax reports (even its failed background saves) through absl's logger; jaxport says what matters in
+    # its own words
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     family_cli = importlib.import_module(f"jaxport.{family}.cli")
     try:
         return family_cli.main(rest) or 0
-    except JaxportError as err:
-        print(f"jaxport {family}: error: {err}", file=sys.stderr)
+    except (JaxportError, OSError) as err:  # an output path under a file, a full disk: named like bad input
+        message = err if isinstance(err, JaxportError) else os_error(err)
+        print(f"jaxport {family}: error: {message}", file=sys.stderr)
         return 1
 
 

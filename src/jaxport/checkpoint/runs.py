@@ -8,6 +8,7 @@ read (truncated or missing array files, damaged metadata) is reported in one lin
 older step is used; a step that is readable but does not fit the model is an error of its own.
 """
 
+import contextlib
 import re
 import sys
 from typing import Callable
@@ -17,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxport.errors import JaxportError
+from jaxport.errors import JaxportError, write_error
 
 
 def _first_line(err: BaseException) -> str:
@@ -45,6 +46,22 @@ def _shape_mismatch(saved, abstract, partial: bool = False) -> str | None:
     return None
 
 
+def _ignore_callbacks_into_closed_loops() -> None:
+    """A save that fails leaves tensorstore writes in flight whose completion callbacks find orbax's event loop
+    closed; Python would print each as a traceback, after the failure was already reported in one line."""
+    previous = sys.unraisablehook
+    if getattr(previous, "ignores_closed_loops", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.ignores_closed_loops = True
+    sys.unraisablehook = hook
+
+
 class RunCheckpoints:
     """Orbax checkpoints of one run in `directory` (a local path or any `etils.epath` path, e.g. gs://).
 
@@ -61,6 +78,8 @@ class RunCheckpoints:
             self.directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=keep_last, keep_period=keep_every, create=True,
                                                  enable_async_checkpointing=True))
+        self._step_in_flight = None
+        _ignore_callbacks_into_closed_loops()
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -69,13 +88,30 @@ class RunCheckpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Start saving `state` and `meta` as `step`; returns once the arrays are off the devices."""
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        """Start saving `state` and `meta` as `step`; returns once the arrays are off the devices. A save that
+        fails (a full disk) is an error here or at the next `save`/`wait`, naming the step."""
+        self.wait()  # orbax would wait for the previous save anyway; its failure is that step's
+        self._step_in_flight = step
+        with self._saving():
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
 
     def wait(self) -> None:
         """Block until every save in flight is complete on disk."""
-        self.manager.wait_until_finished()
+        with self._saving():
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _saving(self):
+        """Turn a failed save (orbax raises tensorstore's errors, from its background threads) into one line."""
+        try:
+            yield
+        except Exception as err:
+            step, intact = self._step_in_flight, self.all_steps()
+            kept = f"the checkpoints already in {self.directory} are intact (newest: step {intact[-1]})" if intact \
+                else f"{self.directory} holds no complete checkpoint"
+            raise JaxportError(f"saving checkpoint step {step} failed: {write_error(err, self.directory / str(step))}; "
+                               f"{kept}") from None
 
     def _restore_step(self, step: int, abstract_state, partial: bool):
         """One step's `(state, meta)`, or None (after a one-line report) when the step cannot be read.
@@ -127,9 +163,11 @@ class RunCheckpoints:
         self.close()
 
     def close(self) -> None:
-        """Finish the saves in flight and stop orbax's background threads."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Finish the saves in flight and stop orbax's background threads (also after a failed save)."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def _describe_read_error(err: BaseException) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxport.errors import JaxportError
+from jaxport.errors import JaxportError, os_error, write_error
 
 
 def torch_available() -> bool:
@@ -66,8 +66,8 @@ def _to_numpy(obj, torch):
             import ml_dtypes
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
-    if isinstance(obj, dict):
-        return {k: _to_numpy(v, torch) for k, v in obj.items()}
+    if isinstance(obj, dict):  # OrderedDict stays one, as state dicts are
+        return type(obj)((k, _to_numpy(v, torch)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_numpy(v, torch) for v in obj)
     return obj
@@ -75,7 +75,7 @@ def _to_numpy(obj, torch):
 
 def _to_torch(obj, torch):
     if isinstance(obj, dict):
-        return {k: _to_torch(v, torch) for k, v in obj.items()}
+        return type(obj)((k, _to_torch(v, torch)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_torch(v, torch) for v in obj)
     if hasattr(obj, "__array__") and not isinstance(obj, (int, float, bool, str)):  # numpy and jax arrays
@@ -89,9 +89,13 @@ def _to_torch(obj, torch):
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike):
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds,
-    so a crash never leaves a half-written file under the final name."""
+    so a crash never leaves a half-written file under the final name. A write that fails (a full disk:
+    numpy and torch say so as OSError or RuntimeError) is one JaxportError naming `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise os_error(err) from None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -99,6 +103,8 @@ def atomic_write(path: str | os.PathLike):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:
+        raise write_error(err, path, written=tmp) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -231,7 +231,11 @@ class Batches:
                 raise JaxportError(f"data folder {self.data_dir} has no {split}.bin; create it with "
                                    f"`jaxport gpt prepare shakespeare_char` (or shakespeare, text) "
                                    f"or point --dataset/--data_dir at a prepared folder")
-            n = path.stat().st_size // 2
+            size = path.stat().st_size
+            if size % 2:
+                raise JaxportError(f"{path} has {size} bytes, not a whole number of 2-byte (uint16) ids: it is "
+                                   f"truncated or not a nanoGPT .bin file; prepare it again")
+            n = size // 2
             if n <= block_size:
                 raise JaxportError(f"{path} holds {n} ids, fewer than block_size + 1 = {block_size + 1}")
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed

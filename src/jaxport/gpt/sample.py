@@ -6,12 +6,24 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pydantic
 
 from jaxport.errors import JaxportError
 from jaxport.gpt.configurator import configure
 from jaxport.gpt.data import gpt2_encoding, load_meta
 from jaxport.gpt.model import GPT
 from jaxport.gpt.train import compute_dtype, load_trained_model, select_devices
+from jaxport.typed_config import validate
+
+
+class FlagRanges(pydantic.BaseModel):
+    """What sample.py's numbers may be (nanoGPT divides the logits by the temperature)."""
+    model_config = pydantic.ConfigDict(extra="allow")
+    num_samples: pydantic.PositiveInt
+    max_new_tokens: pydantic.NonNegativeInt
+    temperature: pydantic.confloat(gt=0, allow_inf_nan=False)
+    top_k: pydantic.PositiveInt | None
+
 
 DEFAULTS = dict(
     init_from="resume",  # or gpt2, gpt2-medium, gpt2-large, gpt2-xl
@@ -90,5 +102,7 @@ def sample(cfg: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    sample(configure(argv, DEFAULTS, nullable=("top_k",)))
+    cfg = configure(argv, DEFAULTS, nullable=("top_k",))
+    validate(FlagRanges, cfg, "the sampling flags", what="flag")
+    sample(cfg)
     return 0

@@ -16,6 +16,7 @@ the first process writes the checkpoint and logs.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pydantic
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -38,6 +40,7 @@ from jaxport.gpt.config import GPTConfig
 from jaxport.gpt.data import Batches, load_meta
 from jaxport.gpt.model import GPT, Checkpoint, device_peak_flops, estimate_mfu, load_checkpoint
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
+from jaxport.typed_config import validate
 
 # nanoGPT train.py's globals, same names and defaults (GPT-2 124M on OpenWebText).
 DEFAULTS = dict(
@@ -58,6 +61,41 @@ EXTRA = dict(data_dir="data", seed=1337, progress=True, fsdp=1, checkpoint_inter
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # torch.amp.GradScaler's defaults, which nanoGPT uses for float16
 LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000
+Rate = pydantic.confloat(ge=0, allow_inf_nan=False)
+Fraction = pydantic.confloat(ge=0, lt=1)
+
+
+class FlagRanges(pydantic.BaseModel):
+    """The values nanoGPT's flags may take (their types the configurator has checked); outside them nanoGPT
+    crashes mid-run or trains nonsense."""
+    model_config = pydantic.ConfigDict(extra="allow")
+    learning_rate: Rate
+    min_lr: Rate
+    weight_decay: Rate
+    grad_clip: Rate
+    beta1: Fraction
+    beta2: Fraction
+    dropout: Fraction
+    batch_size: pydantic.PositiveInt
+    block_size: pydantic.PositiveInt
+    gradient_accumulation_steps: pydantic.PositiveInt
+    n_layer: pydantic.PositiveInt
+    n_head: pydantic.PositiveInt
+    n_embd: pydantic.PositiveInt
+    max_iters: pydantic.NonNegativeInt
+    eval_interval: pydantic.PositiveInt
+    eval_iters: pydantic.PositiveInt
+    log_interval: pydantic.PositiveInt
+    warmup_iters: pydantic.NonNegativeInt
+    lr_decay_iters: pydantic.NonNegativeInt
+    checkpoint_interval: pydantic.PositiveInt | None
+
+    @pydantic.model_validator(mode="after")
+    def _decay_after_warmup(self):
+        if self.model_extra["decay_lr"] and self.lr_decay_iters <= self.warmup_iters:
+            raise ValueError(f"lr_decay_iters ({self.lr_decay_iters}) must be larger than warmup_iters "
+                             f"({self.warmup_iters}) for the cosine decay (or --decay_lr=False)")
+        return self
 
 
 def compute_dtype(dtype: str, platform: str):
@@ -229,7 +267,9 @@ class Trainer:
         adam = self.adam_state()
         params, mu, nu, step = gather_to_host((self.params, adam.mu, adam.nu, adam.count))
         cfg = self.model_config
-        model_sd = {k: np.asarray(v, np.float32) for k, v in gpt_params.tree_to_named(params, cfg).items()}
+        # an OrderedDict, as nanoGPT's model.state_dict() is
+        model_sd = collections.OrderedDict((k, np.asarray(v, np.float32))
+                                           for k, v in gpt_params.tree_to_named(params, cfg).items())
         model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]
         optimizer = gpt_params.torch_adamw_state_dict(
             gpt_params.tree_to_named(mu, cfg), gpt_params.tree_to_named(nu, cfg), int(step), cfg, lr,
@@ -365,6 +405,7 @@ def train(cfg: dict) -> dict:
     out_dir/jaxport_checkpoints (at every evaluation that nanoGPT would save at, and every
     `checkpoint_interval` iterations) holding the whole train state and the data sampler's
     position, so `--init_from=resume` continues on exactly the batches an uninterrupted run sees."""
+    validate(FlagRanges, cfg, "the training config (flags and config files)", what="flag")
     devices = select_devices(cfg["device"])
     # nanoGPT's DDP rule: batch_size is per device and the accumulation steps are shared out
     world, accum = len(devices), cfg["gradient_accumulation_steps"]
@@ -423,13 +464,18 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             out[split] = float(np.mean(fetch_replicated(eval_step(trainer.params, X, Y))))
         return out
 
-    unchecked = []  # (iter, device loss) of iterations whose loss has not been read yet
+    unchecked = []  # (iter, device micro-step losses, device grad norm) of iterations not read yet
+    loss_scaling = trainer.dtype == jnp.float16  # float16's GradScaler skips steps whose gradients overflow
 
     def check_losses():
-        """Stop at the first non-finite loss (read at log and save points only, one transfer)."""
-        values = jax.device_get([loss for _, loss in unchecked])
-        for (it, _), value in zip(unchecked, values):
-            run.check_finite(it, np.asarray(value)[-1])
+        """Stop at the first non-finite loss or gradient norm, before any later checkpoint is written (read at
+        log and save points only, in one transfer)."""
+        values = fetch_replicated([(losses, norm) for _, losses, norm in unchecked])
+        for (it, _, _), (losses, norm) in zip(unchecked, values):
+            for loss in losses:  # every micro-step's
+                run.check_finite(it, loss)
+            if not loss_scaling:
+                run.check_finite(it, norm, what="the gradient norm")
         unchecked.clear()
 
     warned_no_torch = []
@@ -457,6 +503,8 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
         if iter_num % cfg["eval_interval"] == 0:
             losses = estimate_loss()
             say(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            for split, value in losses.items():  # checked before the save below
+                run.check_finite(iter_num, value, what=f"the {split} loss of the evaluation")
             run.log(iter_num, {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr})
             last.update(losses)
             if losses["val"] < best_val_loss or cfg["always_save_checkpoint"]:
@@ -468,7 +516,7 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
         if iter_num == 0 and cfg["eval_only"]:
             break
         micro_losses, norm = trainer.step(X, Y, lr, jax.random.fold_in(base_key, iter_num))
-        unchecked.append((iter_num, micro_losses))
+        unchecked.append((iter_num, micro_losses, norm))
         X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs
         steps_timed += 1
         if iter_num % cfg["log_interval"] == 0:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxport.errors import JaxportError
+from jaxport.errors import JaxportError, write_error
 
 
 LOGGERS = ("jsonl", "wandb", "tensorboard")
@@ -60,8 +60,11 @@ class MetricsLog:
         if step > self._last_step:
             metrics["steps_per_s"] = (step - self._last_step) / max(now - self._last_time, 1e-9)
         self._last_time, self._last_step = now, step
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        try:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        except OSError as err:  # a full disk
+            raise write_error(err, self.jsonl) from None
         measured = {k: v for k, v in metrics.items() if v is not None}
         if self._wandb is not None:
             self._wandb.log(measured, step=step)
@@ -87,7 +90,11 @@ class MetricsLog:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        return plot_learning_curves(self.jsonl, self.run_dir / "learning_curves.png")
+        png = self.run_dir / "learning_curves.png"
+        try:
+            return plot_learning_curves(self.jsonl, png)
+        except OSError as err:
+            raise write_error(err, png) from None
 
 
 def _smooth(ys: list[float]) -> list[float]:

@@ -20,11 +20,13 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import yaml
 from etils import epath
 from tqdm import tqdm
 
 from jaxport.checkpoint.runs import RunCheckpoints
+from jaxport.distributed import fetch_replicated
 from jaxport.errors import JaxportError
 from jaxport.training.metrics_log import MetricsLog
 
@@ -68,11 +70,16 @@ class Run:
             self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-        if self._previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:  # else the error that ended the block is the one to report
+                raise
+        finally:
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+                self._previous_sigterm = None
 
     def start_logging(self, initial_step: int | None = None) -> None:
         """Write the config snapshot and open the metrics log (after `restore` decided the first step)."""
@@ -88,13 +95,19 @@ class Run:
                                   config=self.config, enabled=self.is_main, **self._log_options)
 
     def close(self):
-        """Finish saves in flight, close the loggers, draw the learning curves; returns the PNG path."""
-        png = None
+        """Finish saves in flight, close the loggers, draw the learning curves; returns the PNG path. Each is
+        done even if one fails (a full disk), and the first failure is raised."""
+        failures, png = [], None
         try:
             self.checkpoints.close()
-        finally:
-            if self.metrics is not None:
-                png = self.metrics.close()
+        except Exception as err:
+            failures.append(err)
+        try:
+            png = self.metrics.close() if self.metrics is not None else None
+        except Exception as err:
+            failures.append(err)
+        if failures:
+            raise failures[0]
         return png
 
     # ----- checkpoints
@@ -110,9 +123,14 @@ class Run:
 
     def save(self, step: int, state, meta: dict | None = None) -> None:
         """Start an asynchronous checkpoint of `state` (every process writes its own shards) with the JSON
-        `meta` (data position, RNG state, ...); a step that is already saved is skipped."""
+        `meta` (data position, RNG state, ...); a step that is already saved is skipped. A state holding a
+        NaN or infinity stops the run instead: no checkpoint is ever written with one."""
         if self.checkpoints.latest_step() == step:
             return
+        non_finite = int(fetch_replicated(_count_non_finite(state)))
+        if non_finite:
+            self._stop(step, f"the state to checkpoint holds {non_finite} NaN or infinite weight or optimizer "
+                             f"value(s)")
         self.checkpoints.save(step, state, {"step": int(step), **(meta or {})})
 
     # ----- logging
@@ -138,13 +156,21 @@ class Run:
         """Stop the run if `value` (a host number) is NaN or infinite, naming the step and the newest
         checkpoint, which is intact (saves of later, bad steps never start)."""
         value = float(value)
-        if math.isfinite(value):
-            return
+        if not math.isfinite(value):
+            self._stop(step, f"{what} is {value}")
+
+    def _stop(self, step: int, problem: str):
         self.checkpoints.wait()
         last = self.checkpoints.latest_step()
         kept = (f"the last good checkpoint is step {last} in {self.checkpoints.directory}" if last is not None
                 else "no checkpoint had been written yet")
-        raise JaxportError(f"{what} is {value} at step {step}; training stopped; {kept}")
+        raise JaxportError(f"{problem} at step {step}; training stopped; {kept}")
+
+
+@jax.jit
+def _count_non_finite(tree) -> jax.Array:
+    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return sum((jnp.sum(~jnp.isfinite(x)) for x in floats), jnp.int32(0))
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -135,7 +135,8 @@ class PuzzleDataset:
             total_puzzles=total_puzzles,
         )
 
-    def _load(self) -> dict:
+    def load(self) -> dict:
+        """Memory-map and check every array (on first use; call it early to fail before a run starts)."""
         if self._data is not None:
             return self._data
         data = {}
@@ -150,7 +151,8 @@ class PuzzleDataset:
                     try:  # examples stay on disk; the small index arrays are read into memory
                         arrays[field] = np.load(file, mmap_mode="r" if field in ("inputs", "labels") else None)
                     except ValueError as err:
-                        raise JaxportError(f"dataset file is not a readable .npy array: {file} ({err})") from None
+                        raise JaxportError(f"dataset file is not a readable .npy array (truncated?): {file} ({err}); "
+                                           f"build the dataset again") from None
                 self._check(split_dir, set_name, arrays)
                 data[set_name + (str(i) if i else "")] = arrays
         self._data = data
@@ -188,7 +190,7 @@ class PuzzleDataset:
         return batch
 
     def _iter_test(self):
-        for set_name, d in self._load().items():
+        for set_name, d in self.load().items():
             total = len(d["inputs"])
             offsets = d["puzzle_indices"]
             for start in range(0, total, self.global_batch_size):
@@ -224,7 +226,7 @@ class PuzzleDataset:
         return start, np.concatenate(examples), np.concatenate(puzzles)
 
     def _iter_train(self):
-        data = self._load()
+        data = self.load()
         for set_index, (set_name, d) in enumerate(data.items()):
             position = self._position
             if position is not None and set_index < position["set_index"]:

@@ -56,7 +56,7 @@ class Trainer:
                 raise JaxportError(f"data path not found: {path} (build it with `jaxport trm build ...`)")
         if config.global_batch_size % self.mesh.devices.size:
             raise JaxportError(f"global_batch_size={config.global_batch_size} is not divisible by the "
-                               f"{self.mesh.devices.size} devices")
+                               f"{self.mesh.devices.size} devices; use a multiple of {self.mesh.devices.size}")
         epochs_per_iter = config.eval_interval or config.epochs
         self.total_iters = config.epochs // epochs_per_iter
         self.gbs = config.global_batch_size
@@ -69,6 +69,9 @@ class Trainer:
         if all((Path(p) / "test" / "dataset.json").exists() for p in eval_paths):
             self.eval_loader = PuzzleDataset(eval_paths, "test", global_batch_size=self.gbs, test_set_mode=True,
                                              seed=config.seed, rank=self.rank, num_replicas=self.world)
+        # the arrays are read now: a truncated or mismatched one stops the run before its folder is touched
+        for loader in filter(None, (self.train_loader, self.eval_loader)):
+            loader.load()
         self.total_steps = int(config.epochs * meta.total_groups * meta.mean_puzzle_examples / self.gbs)
         self.model_config = TRMConfig.from_arch(config.arch.model_dump(), source="the run config's arch",
                                                 vocab_size=meta.vocab_size, seq_len=meta.seq_len,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxport.errors import JaxportError
+from jaxport.errors import JaxportError, write_error
 from jaxport.trm.data import PuzzleDatasetMetadata
 
 # tid -> inverse tid for the 8 dihedral transforms below
@@ -49,7 +49,13 @@ def write_split(output_dir: Path, split: str, arrays_by_set: dict[str, dict[str,
     (split_dir / "dataset.json").write_text(metadata.to_json())
     for set_name, arrays in arrays_by_set.items():
         for field, array in arrays.items():
-            np.save(split_dir / f"{set_name}__{field}.npy", array)
+            path = split_dir / f"{set_name}__{field}.npy"
+            try:
+                np.save(path, array)
+                if array.size:  # numpy misses some short writes (a full disk): the file must hold the array
+                    np.load(path, mmap_mode="r")
+            except (OSError, ValueError) as err:
+                raise write_error(err, path) from None
 
 
 def write_identifiers(output_dir: Path, names: list[str]) -> None:
