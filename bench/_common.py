@@ -23,10 +23,18 @@ malloc.keep_freed_memory()  # as the jaxport command does
 
 def environment() -> dict:
     device = jax.devices()[0]
-    return {"platform": device.platform, "device": device.device_kind, "device_count": jax.device_count(),
-            "cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-            "date": time.strftime("%Y-%m-%d")}
+    return {
+        "platform": device.platform,
+        "device": device.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def matmul_peak_flops(dtype="float32", n: int = 2048, repeats: int = 5) -> float:
@@ -41,7 +49,7 @@ def matmul_peak_flops(dtype="float32", n: int = 2048, repeats: int = 5) -> float
         start = time.perf_counter()
         jax.block_until_ready(dot(a, a))
         times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / statistics.median(times)
+    return 2 * n**3 / statistics.median(times)
 
 
 def peak_flops(dtype: str, peaks: dict) -> tuple[float, str]:
@@ -62,8 +70,12 @@ def utilisation(flops_per_call: float | None, seconds: float, dtype: str, peaks:
         return {}
     peak, source = peak_flops(dtype, peaks)
     achieved = flops_per_call / seconds
-    return {"achieved_gflops": round(achieved / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
-            "peak_source": source, "fraction_of_peak": round(achieved / peak, 3)}
+    return {
+        "achieved_gflops": round(achieved / 1e9, 1),
+        "matmul_peak_gflops": round(peak / 1e9, 1),
+        "peak_source": source,
+        "fraction_of_peak": round(achieved / peak, 3),
+    }
 
 
 def compiled_flops(lowered) -> float | None:

@@ -23,13 +23,40 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 SHARED = REPO.parent / "shared"
 REF_ENV = ("REF_PY", "REF_TRM", "REF_NANOGPT", "REF_DREAM")
-GPT_CPU_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
-                 "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
-                 "--lr_decay_iters=2000", "--dropout=0.0"]  # nanoGPT README's CPU command (the harness's CPU_FLAGS)
-TRM_LOOP = ["arch=trm", "arch.hidden_size=64", "arch.num_heads=2", "arch.L_layers=2", "arch.H_cycles=2",
-            "arch.L_cycles=2", "arch.halt_max_steps=4", "arch.puzzle_emb_ndim=0", "arch.puzzle_emb_len=0",
-            "arch.forward_dtype=float32", "arch.mlp_t=True", "arch.pos_encodings=none", "global_batch_size=32",
-            "lr=1e-3", "puzzle_emb_lr=1e-3", "lr_warmup_steps=100", "epochs=4", "eval_interval=1"]
+GPT_CPU_FLAGS = [
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--max_iters=2000",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]  # nanoGPT README's CPU command (the harness's CPU_FLAGS)
+TRM_LOOP = [
+    "arch=trm",
+    "arch.hidden_size=64",
+    "arch.num_heads=2",
+    "arch.L_layers=2",
+    "arch.H_cycles=2",
+    "arch.L_cycles=2",
+    "arch.halt_max_steps=4",
+    "arch.puzzle_emb_ndim=0",
+    "arch.puzzle_emb_len=0",
+    "arch.forward_dtype=float32",
+    "arch.mlp_t=True",
+    "arch.pos_encodings=none",
+    "global_batch_size=32",
+    "lr=1e-3",
+    "puzzle_emb_lr=1e-3",
+    "lr_warmup_steps=100",
+    "epochs=4",
+    "eval_interval=1",
+]
 
 
 def run(command: list[str], cwd=None, env=None) -> tuple[str, float, int]:
@@ -61,18 +88,39 @@ def jaxport_bench(script: str, *args: str) -> tuple[list[dict], int]:
 
 # -- workloads: each returns [(name, original seconds, jaxport seconds, extras)] for one back-to-back round
 
+
 def trm_step(tmp: Path, quick: bool):
     steps, warmup = ("2", "1") if quick else ("3", "1")
-    up, up_rss = original("trm/bench_upstream.py", "--threads", "2", "--batch", "32", "--steps", steps,
-                          "--warmup", warmup, out=tmp / "trm_step.json")
+    up, up_rss = original(
+        "trm/bench_upstream.py",
+        "--threads",
+        "2",
+        "--batch",
+        "32",
+        "--steps",
+        steps,
+        "--warmup",
+        warmup,
+        out=tmp / "trm_step.json",
+    )
     ours, rss = jaxport_bench("trm_step.py", "--batch", "32", "--steps", steps)
     rows = []
     for r in up["results"]:
         mixer = "attention" if r["variant"] == "att" else "mlp_t"
         mine = next(o for o in ours if o.get("mixer") == mixer and o.get("forward_dtype") == r["forward_dtype"])
-        rows.append((f"trm_step {mixer} {r['forward_dtype']}", r["median_s"], mine["step_s_median"],
-                     {"jaxport_compile_s": mine["compile_s"], "original_peak_rss": up_rss, "jaxport_peak_rss": rss,
-                      **{k: mine[k] for k in ("achieved_gflops", "fraction_of_peak") if k in mine}}))
+        rows.append(
+            (
+                f"trm_step {mixer} {r['forward_dtype']}",
+                r["median_s"],
+                mine["step_s_median"],
+                {
+                    "jaxport_compile_s": mine["compile_s"],
+                    "original_peak_rss": up_rss,
+                    "jaxport_peak_rss": rss,
+                    **{k: mine[k] for k in ("achieved_gflops", "fraction_of_peak") if k in mine},
+                },
+            )
+        )
     return rows
 
 
@@ -80,14 +128,34 @@ def gpt_step(tmp: Path, quick: bool, configs=("cpu_readme",), dropouts=(0.0,)):
     rows = []
     for dropout in dropouts:
         iters = ["--iters", "3", "--warmup", "1"] if "shakespeare" in configs else ["--iters", "20", "--warmup", "3"]
-        up, up_rss = original("gpt/bench_upstream.py", "--configs", *configs, "--compile-configs", "--dropout",
-                              str(dropout), *iters, out=tmp / "gpt_step.json")
-        ours, rss = jaxport_bench("gpt_train_step.py", "--configs", ",".join(configs), "--dropout", str(dropout), *iters)
+        up, up_rss = original(
+            "gpt/bench_upstream.py",
+            "--configs",
+            *configs,
+            "--compile-configs",
+            "--dropout",
+            str(dropout),
+            *iters,
+            out=tmp / "gpt_step.json",
+        )
+        ours, rss = jaxport_bench(
+            "gpt_train_step.py", "--configs", ",".join(configs), "--dropout", str(dropout), *iters
+        )
         for r in up["results"]:
             mine = next(o for o in ours if o.get("config") == r["config"])
-            rows.append((f"gpt_step {r['config']} dropout {dropout}", r["median_iter_s"], mine["iter_s_median"],
-                         {"jaxport_compile_s": mine["compile_s"], "original_peak_rss": up_rss, "jaxport_peak_rss": rss,
-                          **{k: mine[k] for k in ("achieved_gflops", "fraction_of_peak") if k in mine}}))
+            rows.append(
+                (
+                    f"gpt_step {r['config']} dropout {dropout}",
+                    r["median_iter_s"],
+                    mine["iter_s_median"],
+                    {
+                        "jaxport_compile_s": mine["compile_s"],
+                        "original_peak_rss": up_rss,
+                        "jaxport_peak_rss": rss,
+                        **{k: mine[k] for k in ("achieved_gflops", "fraction_of_peak") if k in mine},
+                    },
+                )
+            )
     return rows
 
 
@@ -97,26 +165,70 @@ def gpt_run(tmp: Path, quick: bool):
     up, up_rss = original("gpt/run_training.py", "--input", str(text_file), out=tmp / "gpt_run.json")
     work = tmp / "gpt_run"
     work.mkdir(exist_ok=True)
-    run([sys.executable, "-m", "jaxport.cli", "gpt", "prepare", "shakespeare_char", "--input", str(text_file)], cwd=work)
-    out, wall, rss = run([sys.executable, "-m", "jaxport.cli", "gpt", "train", "train_shakespeare_char",
-                          *GPT_CPU_FLAGS, "--progress=False"], cwd=work)
+    run(
+        [sys.executable, "-m", "jaxport.cli", "gpt", "prepare", "shakespeare_char", "--input", str(text_file)], cwd=work
+    )
+    out, wall, rss = run(
+        [
+            sys.executable,
+            "-m",
+            "jaxport.cli",
+            "gpt",
+            "train",
+            "train_shakespeare_char",
+            *GPT_CPU_FLAGS,
+            "--progress=False",
+        ],
+        cwd=work,
+    )
     records = [json.loads(line) for line in (work / "out-shakespeare-char" / "metrics.jsonl").read_text().splitlines()]
     iter_ms = statistics.median(r["dt_ms"] for r in records if "dt_ms" in r and r["iter"] > 5)
     final = [r for r in records if "val_loss" in r][-1]
     up_iter_ms = statistics.median(row[2] for row in up["train_iter_log"]["rows"][5:])
-    return [("gpt_run README CPU command (wall)", up["wall_time_s"]["train_py_total"], wall,
-             {"original_iter_ms": up_iter_ms, "jaxport_iter_ms": round(iter_ms, 2),
-              "original_val_loss": up["final"]["val_loss"], "jaxport_val_loss": round(final["val_loss"], 4),
-              "original_peak_rss": up_rss, "jaxport_peak_rss": rss})]
+    return [
+        (
+            "gpt_run README CPU command (wall)",
+            up["wall_time_s"]["train_py_total"],
+            wall,
+            {
+                "original_iter_ms": up_iter_ms,
+                "jaxport_iter_ms": round(iter_ms, 2),
+                "original_val_loss": up["final"]["val_loss"],
+                "jaxport_val_loss": round(final["val_loss"], 4),
+                "original_peak_rss": up_rss,
+                "jaxport_peak_rss": rss,
+            },
+        )
+    ]
 
 
 def trm_loop(tmp: Path, quick: bool):
     """The demo-size training loop on one dataset both read; seconds per step, evaluation excluded."""
     data = tmp / "trm_loop"
     if not (data / "data" / "test" / "dataset.json").exists():
-        run([sys.executable, "-m", "jaxport.cli", "trm", "build", "sudoku", "--generate", "--num-train", "1000",
-             "--num-test", "256", "--givens", "50", "--num-aug", "8" if not quick else "1", "--seed", "0",
-             "--output-dir", str(data / "data")])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "jaxport.cli",
+                "trm",
+                "build",
+                "sudoku",
+                "--generate",
+                "--num-train",
+                "1000",
+                "--num-test",
+                "256",
+                "--givens",
+                "50",
+                "--num-aug",
+                "8" if not quick else "1",
+                "--seed",
+                "0",
+                "--output-dir",
+                str(data / "data"),
+            ]
+        )
     up, up_rss = original("trm/run_training.py", "--data", str(data), "--", *TRM_LOOP, out=tmp / "trm_loop.json")
     curve, evals = up["train_curve"], up["evals"]
     first, last = curve[0], curve[-1]
@@ -124,22 +236,54 @@ def trm_loop(tmp: Path, quick: bool):
     up_step = (last["wall_s"] - first["wall_s"] - eval_s) / (last["step_last"] - first["step_last"])
     ours, rss = jaxport_bench("trm_loop.py", "--data", str(data), "--", *TRM_LOOP)
     mine = ours[-1]
-    return [("trm_loop demo size (s/step, eval excluded)", up_step, mine["step_s"],
-             {"steps": mine["steps"], "original_steps": up["total_steps"],
-              "jaxport_compile_s": mine["first_step_incl_compile_s"], "original_wall_s": up["wall_time_s"],
-              "jaxport_wall_s": mine["wall_s"], "original_peak_rss": up_rss, "jaxport_peak_rss": rss})]
+    return [
+        (
+            "trm_loop demo size (s/step, eval excluded)",
+            up_step,
+            mine["step_s"],
+            {
+                "steps": mine["steps"],
+                "original_steps": up["total_steps"],
+                "jaxport_compile_s": mine["first_step_incl_compile_s"],
+                "original_wall_s": up["wall_time_s"],
+                "jaxport_wall_s": mine["wall_s"],
+                "original_peak_rss": up_rss,
+                "jaxport_peak_rss": rss,
+            },
+        )
+    ]
 
 
 def dream(tmp: Path, quick: bool, new_tokens: int = 64):
     runs = ["--runs", "1", "--warmup", "0"] if new_tokens > 64 else ["--runs", "3", "--warmup", "1"]
-    up, up_rss = original("dream/bench_upstream.py", "--max-new-tokens", str(new_tokens), "--steps", str(new_tokens),
-                          "--batches", "1,4", *runs, out=tmp / "dream.json")
-    ours, rss = jaxport_bench("dream_generate.py", "--new-tokens", str(new_tokens), "--batches", "1,4",
-                              "--repeats", runs[1])
+    up, up_rss = original(
+        "dream/bench_upstream.py",
+        "--max-new-tokens",
+        str(new_tokens),
+        "--steps",
+        str(new_tokens),
+        "--batches",
+        "1,4",
+        *runs,
+        out=tmp / "dream.json",
+    )
+    ours, rss = jaxport_bench(
+        "dream_generate.py", "--new-tokens", str(new_tokens), "--batches", "1,4", "--repeats", runs[1]
+    )
     mine = {r["batch"]: r for r in ours[-1]["results"]}
-    return [(f"dream 40M {new_tokens} tokens batch {r['batch']}", r["median_s"], mine[r["batch"]]["generate_median_s"],
-             {"jaxport_compile_s": mine[r["batch"]]["generate_compile_s"], "original_peak_rss": up_rss,
-              "jaxport_peak_rss": rss}) for r in up["results"]]
+    return [
+        (
+            f"dream 40M {new_tokens} tokens batch {r['batch']}",
+            r["median_s"],
+            mine[r["batch"]]["generate_median_s"],
+            {
+                "jaxport_compile_s": mine[r["batch"]]["generate_compile_s"],
+                "original_peak_rss": up_rss,
+                "jaxport_peak_rss": rss,
+            },
+        )
+        for r in up["results"]
+    ]
 
 
 WORKLOADS = {  # name -> (rounds of it take under a minute, function)
@@ -156,16 +300,22 @@ WORKLOADS = {  # name -> (rounds of it take under a minute, function)
 def check_originals() -> None:
     missing = [name for name in REF_ENV if not os.environ.get(name)]
     if missing:
-        raise SystemExit(f"{', '.join(missing)} not set: the originals are found through them. From the project "
-                         f"root run\n    eval \"$({SHARED / 'originals' / 'setup'})\"\n(it builds their Python once, "
-                         f"several minutes) and then this command again.")
+        raise SystemExit(
+            f"{', '.join(missing)} not set: the originals are found through them. From the project "
+            f'root run\n    eval "$({SHARED / "originals" / "setup"})"\n(it builds their Python once, '
+            f"several minutes) and then this command again."
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="trm_step,gpt_step,gpt_step_shakespeare,gpt_run,trm_loop,dream,dream_256",
-                        help="comma-separated workloads: " + ", ".join(WORKLOADS)
-                             + " (gpt_step also selects gpt_step_shakespeare, dream also dream_256)")
+    parser.add_argument(
+        "--only",
+        default="trm_step,gpt_step,gpt_step_shakespeare,gpt_run,trm_loop,dream,dream_256",
+        help="comma-separated workloads: "
+        + ", ".join(WORKLOADS)
+        + " (gpt_step also selects gpt_step_shakespeare, dream also dream_256)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the workloads under a minute")
     parser.add_argument("--markdown", default="compare.md", help="where to write the Markdown table")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not a measurement)")
@@ -177,8 +327,10 @@ def main() -> int:
     unknown = sorted(set(chosen) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
-    lines = ["| workload | original (s) | jaxport (s) | ratio | jaxport compile (s) | peak RSS orig / jaxport (MB) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | original (s) | jaxport (s) | ratio | jaxport compile (s) | peak RSS orig / jaxport (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
     tmp = Path(tempfile.mkdtemp(prefix="jaxport_compare_"))
     for name in dict.fromkeys(chosen):
         short, function = WORKLOADS[name]
@@ -188,15 +340,24 @@ def main() -> int:
             ours = [r[i][2] for r in rounds]
             extras = rounds[-1][i][3]
             ratio = statistics.median(u / o for u, o in zip(up, ours))
-            record = {"workload": label, "original_s": round(statistics.median(up), 4),
-                      "jaxport_s": round(statistics.median(ours), 4), "ratio": round(ratio, 3),
-                      "rounds": len(rounds), **extras}
+            record = {
+                "workload": label,
+                "original_s": round(statistics.median(up), 4),
+                "jaxport_s": round(statistics.median(ours), 4),
+                "ratio": round(ratio, 3),
+                "rounds": len(rounds),
+                **extras,
+            }
             print(json.dumps(record), flush=True)
             rss = f"{extras['original_peak_rss'] / 2**20:.0f} / {extras['jaxport_peak_rss'] / 2**20:.0f}"
-            lines.append(f"| {label} | {record['original_s']:.4g} | {record['jaxport_s']:.4g} | **{ratio:.2f}** | "
-                         f"{extras.get('jaxport_compile_s', '')} | {rss} |")
-    header = (f"jaxport / PyTorch originals, back to back on {time.strftime('%Y-%m-%d')}, "
-              f"{os.cpu_count()} cores ({' '.join(os.uname()[::2])}); ratio = original time / jaxport time")
+            lines.append(
+                f"| {label} | {record['original_s']:.4g} | {record['jaxport_s']:.4g} | **{ratio:.2f}** | "
+                f"{extras.get('jaxport_compile_s', '')} | {rss} |"
+            )
+    header = (
+        f"jaxport / PyTorch originals, back to back on {time.strftime('%Y-%m-%d')}, "
+        f"{os.cpu_count()} cores ({' '.join(os.uname()[::2])}); ratio = original time / jaxport time"
+    )
     Path(args.markdown).write_text(header + "\n\n" + "\n".join(lines) + "\n")
     print(f"wrote {args.markdown}")
     return 0

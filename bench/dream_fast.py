@@ -10,32 +10,34 @@ Exact is `steps = generation length`, one token per step; the fast settings use 
 generations of one batch after a compiling warm-up (compile time reported apart). Accuracy (with `--model`):
 exact match on the task-demo held-out problems through `jaxport.dream.tasks.evaluate` (bench/dream_task_eval.py),
 any function `accuracy(model, tokenizer, problems, **generation_args) -> float` fits in its place.
-`--upstream` runs the original's exact `diffusion_generate` on the 40M config (REF_PY, REF_DREAM; minutes).
+`--upstream` also runs the original's exact `diffusion_generate` on the 40M config, as `bench/compare.py --only
+dream_256` does (REF_PY, REF_DREAM from ../shared/originals/setup; about 10 minutes at 256 tokens).
 """
 
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from _common import environment, peak_rss_bytes
 
 from jaxport import dream
 from jaxport.dream import bench
 
-UPSTREAM = Path(__file__).resolve().parents[2] / "shared" / "originals" / "bench" / "dream" / "bench_upstream.py"
 NAMES = {"exact": "exact", "cache": "+cache", "parallel": "+parallel", "both": "+cache +parallel"}  # for logs
 
 
 def settings(args) -> dict[str, dict]:
-    fast = {"cache": dict(cache=args.cache), "parallel": dict(threshold=args.threshold),
-            "both": dict(cache=args.cache, threshold=args.threshold)}
+    fast = {
+        "cache": dict(cache=args.cache),
+        "parallel": dict(threshold=args.threshold),
+        "both": dict(cache=args.cache, threshold=args.threshold),
+    }
     chosen = {}
     for name in args.settings.split(","):
         if name not in NAMES:
@@ -46,39 +48,62 @@ def settings(args) -> dict[str, dict]:
 
 def task_accuracy(model, tokenizer, problems, **generation_args) -> float:
     from jaxport.dream import tasks
-    scores, _ = tasks.evaluate(model, tokenizer, problems, gen_len=generation_args.pop("max_new_tokens"),
-                               **generation_args)
+
+    scores, _ = tasks.evaluate(
+        model, tokenizer, problems, gen_len=generation_args.pop("max_new_tokens"), **generation_args
+    )
     return scores["exact_match"]
 
 
 def speed(model, input_ids, attention_mask, repeats: int, **generation_args) -> dict:
     """Compile time and the median seconds of one batch's generation."""
-    run = lambda: jax.block_until_ready(model.diffusion_generate(input_ids, attention_mask,
-                                                                 return_dict_in_generate=False, **generation_args))
+    run = lambda: jax.block_until_ready(
+        model.diffusion_generate(input_ids, attention_mask, return_dict_in_generate=False, **generation_args)
+    )
     first, times = bench.timed(run, repeats)
     median = statistics.median(times)
-    return {"compile_s": round(first - median, 2), "median_s": round(median, 5),
-            "times_s": [round(t, 5) for t in times]}
+    return {
+        "compile_s": round(first - median, 2),
+        "median_s": round(median, 5),
+        "times_s": [round(t, 5) for t in times],
+    }
 
 
 def upstream(lengths: list[int], batches: list[int], prompt_len: int) -> dict:
-    """The original's exact generation on the 40M config: {(length, batch): seconds}."""
+    """The original's exact generation on the 40M config: {(length, batch): median seconds}."""
+    import compare
+
+    compare.check_originals()
     found = {}
-    for length in lengths:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "upstream.json"
-            subprocess.run([os.environ.get("REF_PY", sys.executable), str(UPSTREAM), "--out", str(out),
-                            "--max-new-tokens", str(length), "--steps", str(length), "--prompt-len", str(prompt_len),
-                            "--batches", ",".join(map(str, batches)), "--runs", "1", "--warmup", "0"], check=True,
-                           stdout=sys.stderr)
-            for row in json.loads(out.read_text())["results"]:
-                found[(length, row["batch"])] = row["median_s"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for length in lengths:
+            result, _ = compare.original(
+                "dream/bench_upstream.py",
+                "--max-new-tokens",
+                str(length),
+                "--steps",
+                str(length),
+                "--prompt-len",
+                str(prompt_len),
+                "--batches",
+                ",".join(map(str, batches)),
+                "--runs",
+                "1",
+                "--warmup",
+                "0",
+                out=Path(tmp) / f"upstream_{length}.json",
+            )
+            found.update({(length, row["batch"]): row["median_s"] for row in result["results"]})
     return found
 
 
 def table(rows: list[dict], names: list[str], with_accuracy: bool, args) -> str:
-    titles = {"exact": "exact", "cache": f"+{args.cache} cache", "parallel": f"+parallel ({args.threshold})",
-              "both": f"+{args.cache} cache +parallel ({args.threshold})"}
+    titles = {
+        "exact": "exact",
+        "cache": f"+{args.cache} cache",
+        "parallel": f"+parallel ({args.threshold})",
+        "both": f"+{args.cache} cache +parallel ({args.threshold})",
+    }
     header = "| new tokens | batch | " + " | ".join(titles[n] for n in names) + " |"
     lines = [header, "|" + " --- |" * (len(names) + 2)]
     for length, batch in dict.fromkeys((r["max_new_tokens"], r["batch"]) for r in rows):
@@ -97,9 +122,12 @@ def main():
     source.add_argument("--model", help="Hugging Face Dream directory with an exact-match task (task-demo)")
     source.add_argument("--random-init", help="random weights of a named size (40m, tiny, 7b): speed only")
     parser.add_argument("--lengths", default="128,256", help="generation lengths (new tokens)")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--settings", default=None, help="of exact,cache,parallel,both (default: all with --model, "
-                                                         "exact,cache with --random-init)")
+    parser.add_argument("--batch-sizes", default=None, help="default: 1,8 with --model, 1,4 (the original's) else")
+    parser.add_argument(
+        "--settings",
+        default=None,
+        help="of exact,cache,parallel,both (default: all with --model, exact,cache with --random-init)",
+    )
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--cache", default="dual", help="prefix or dual")
     parser.add_argument("--threshold", type=float, default=0.9)
@@ -114,11 +142,12 @@ def main():
     args = parser.parse_args()
     args.settings = args.settings or ("exact,cache,parallel,both" if args.model else "exact,cache")
     chosen, lengths = settings(args), [int(n) for n in args.lengths.split(",")]
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = [int(b) for b in (args.batch_sizes or ("1,8" if args.model else "1,4")).split(",")]
 
     problems = tokenizer = None
     if args.model:
         from jaxport.dream import tasks
+
         model, tokenizer = dream.load(args.model, dtype=args.dtype)
         problems = tasks.demo_test_problems(args.problems, args.seed)
         width = max(len(tokenizer.encode(p.prompt)) for p in problems)
@@ -132,8 +161,9 @@ def main():
         for name, fast in chosen.items():
             generation_args = dict(max_new_tokens=length, steps=length, alg=args.alg, **fast)
             if problems:
-                accuracy[name] = task_accuracy(model, tokenizer, problems, batch_size=args.eval_batch_size,
-                                               **generation_args)
+                accuracy[name] = task_accuracy(
+                    model, tokenizer, problems, batch_size=args.eval_batch_size, **generation_args
+                )
             for batch in batches:
                 if problems:
                     ids, mask = tokenizer([p.prompt for p in problems[:batch]], pad_to=width)
@@ -141,21 +171,47 @@ def main():
                     ids = np.random.default_rng(args.seed + batch).integers(0, low, (batch, args.prompt_len))
                     ids, mask = ids.astype(np.int32), None
                 timing = speed(model, ids, mask, args.repeats, **generation_args)
-                rows.append({"setting": name, "max_new_tokens": length, "batch": batch, **fast, **timing,
-                             "tokens_per_s": round(batch * length / timing["median_s"], 2),
-                             "accuracy": accuracy.get(name)})
-                print(f"{length} tokens, batch {batch}, {NAMES[name]}: {rows[-1]['tokens_per_s']} tok/s"
-                      + (f", accuracy {accuracy[name]:.3f}" if problems else ""), file=sys.stderr)
+                rows.append(
+                    {
+                        "setting": name,
+                        "max_new_tokens": length,
+                        "batch": batch,
+                        **fast,
+                        **timing,
+                        "tokens_per_s": round(batch * length / timing["median_s"], 2),
+                        "accuracy": accuracy.get(name),
+                    }
+                )
+                print(
+                    f"{length} tokens, batch {batch}, {NAMES[name]}: {rows[-1]['tokens_per_s']} tok/s"
+                    + (f", accuracy {accuracy[name]:.3f}" if problems else ""),
+                    file=sys.stderr,
+                )
     for r in rows:
-        exact = next((e for e in rows if e["setting"] == "exact" and (e["max_new_tokens"], e["batch"]) ==
-                      (r["max_new_tokens"], r["batch"])), None)
+        exact = next(
+            (
+                e
+                for e in rows
+                if e["setting"] == "exact" and (e["max_new_tokens"], e["batch"]) == (r["max_new_tokens"], r["batch"])
+            ),
+            None,
+        )
         r["speedup"] = round(exact["median_s"] / r["median_s"], 2) if exact else float("nan")
-    result = {"what": "jaxport Dream fast decoding (Fast-dLLM) vs exact", **bench.environment(),
-              "model": args.model or f"random-init {args.random_init}", "dtype": args.dtype, "alg": args.alg,
-              "block_length": args.block_length, "cache": args.cache, "threshold": args.threshold,
-              "problems": len(problems) if problems else None, "results": rows,
-              "peak_device_memory_bytes": bench.peak_memory_bytes(),
-              "date": time.strftime("%Y-%m-%d"), "loadavg": os.getloadavg()}
+    result = {
+        "what": "jaxport Dream fast decoding (Fast-dLLM) vs exact",
+        "machine": environment(),
+        "model": args.model or f"random-init {args.random_init}",
+        "dtype": args.dtype,
+        "alg": args.alg,
+        "block_length": args.block_length,
+        "cache": args.cache,
+        "threshold": args.threshold,
+        "problems": len(problems) if problems else None,
+        "results": rows,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_device_memory_bytes": bench.peak_memory_bytes(),
+        "loadavg": os.getloadavg(),
+    }
     if args.upstream:
         original = upstream(lengths, batches, args.prompt_len)
         for r in rows:

@@ -31,9 +31,15 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model = dream.random_model(dream.preset(args.size), dtype=args.dtype)
-    result = bench.run(model, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                       steps=args.steps or args.new_tokens, alg=args.alg,
-                       batch_sizes=[int(b) for b in args.batches.split(",")], repeats=args.repeats)
+    result = bench.run(
+        model,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        steps=args.steps or args.new_tokens,
+        alg=args.alg,
+        batch_sizes=[int(b) for b in args.batches.split(",")],
+        repeats=args.repeats,
+    )
     print(json.dumps({**result, "machine": environment(), "peak_rss_bytes": peak_rss_bytes()}))
 
 

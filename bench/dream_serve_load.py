@@ -28,19 +28,45 @@ import openai
 from jaxport.dream.bench import environment
 
 TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "dream" / "tiny_bf16" / "model"
-PROMPTS = ["def add(a, b):", "Write a quicksort in Python.", "import numpy as np", "class Stack:",
-           "# read a CSV file and print the mean of each column", "fn main() {", "SELECT name FROM users WHERE",
-           "def fibonacci(n):"]
+PROMPTS = [
+    "def add(a, b):",
+    "Write a quicksort in Python.",
+    "import numpy as np",
+    "class Stack:",
+    "# read a CSV file and print the mean of each column",
+    "fn main() {",
+    "SELECT name FROM users WHERE",
+    "def fibonacci(n):",
+]
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "jaxport.cli", "dream", "serve", "--model", str(args.model),
-               "--served-model-name", "bench", "--dtype", args.dtype, "--port", str(port),
-               "--max-batch", str(args.max_batch), "--max-queue", str(max(args.clients, args.max_batch)),
-               "--prompt-buckets", str(args.prompt_bucket), "--max-tokens-buckets", str(args.max_tokens)]
+    command = [
+        sys.executable,
+        "-m",
+        "jaxport.cli",
+        "dream",
+        "serve",
+        "--model",
+        str(args.model),
+        "--served-model-name",
+        "bench",
+        "--dtype",
+        args.dtype,
+        "--port",
+        str(port),
+        "--max-batch",
+        str(args.max_batch),
+        "--max-queue",
+        str(max(args.clients, args.max_batch)),
+        "--prompt-buckets",
+        str(args.prompt_bucket),
+        "--max-tokens-buckets",
+        str(args.max_tokens),
+    ]
     if args.random_init:
         command += ["--random-init", args.random_init]
     start = time.perf_counter()
@@ -59,7 +85,7 @@ def peak_rss_bytes(pid: int) -> int | None:
     status = Path(f"/proc/{pid}/status")
     if not status.is_file():
         return None
-    line = next((l for l in status.read_text().splitlines() if l.startswith("VmHWM:")), None)
+    line = next((row for row in status.read_text().splitlines() if row.startswith("VmHWM:")), None)
     return int(line.split()[1]) * 1024 if line else None
 
 
@@ -74,8 +100,12 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--prompt-bucket", type=int, default=32)
-    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "dream_serve_load.log",
-                        help="where the server's stderr goes")
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "dream_serve_load.log",
+        help="where the server's stderr goes",
+    )
     args = parser.parse_args()
 
     process, url, startup_s = start_server(args)
@@ -109,18 +139,37 @@ def main():
     peak_rss = peak_rss_bytes(process.pid)
     process.send_signal(signal.SIGTERM)
     exit_code = process.wait(timeout=120)
-    print(json.dumps({
-        "what": "jaxport dream serve under concurrent openai clients", **environment(),
-        "model": f"random-init {args.random_init}" if args.random_init else str(args.model), "dtype": args.dtype,
-        "clients": args.clients, "max_batch": args.max_batch, "prompt_bucket": args.prompt_bucket,
-        "max_tokens": args.max_tokens, "steps": args.max_tokens, "alg": "entropy", "temperature": 0.0,
-        "startup_with_compilation_s": round(startup_s, 2), "seconds": round(seconds, 2),
-        "requests": len(latencies), "errors": len(errors), "first_errors": errors[:3],
-        "requests_per_s": round(len(latencies) / seconds, 3), "generated_tokens_per_s": round(sum(tokens) / seconds, 2),
-        "latency_p50_s": round(float(np.percentile(latencies, 50)), 3) if latencies else None,
-        "latency_p95_s": round(float(np.percentile(latencies, 95)), 3) if latencies else None,
-        "batch_requests": metrics["batch_requests"], "batch_rows": metrics["batch_rows"],
-        "server_peak_rss_bytes": peak_rss, "server_exit_code": exit_code}, indent=1))
+    print(
+        json.dumps(
+            {
+                "what": "jaxport dream serve under concurrent openai clients",
+                **environment(),
+                "model": f"random-init {args.random_init}" if args.random_init else str(args.model),
+                "dtype": args.dtype,
+                "clients": args.clients,
+                "max_batch": args.max_batch,
+                "prompt_bucket": args.prompt_bucket,
+                "max_tokens": args.max_tokens,
+                "steps": args.max_tokens,
+                "alg": "entropy",
+                "temperature": 0.0,
+                "startup_with_compilation_s": round(startup_s, 2),
+                "seconds": round(seconds, 2),
+                "requests": len(latencies),
+                "errors": len(errors),
+                "first_errors": errors[:3],
+                "requests_per_s": round(len(latencies) / seconds, 3),
+                "generated_tokens_per_s": round(sum(tokens) / seconds, 2),
+                "latency_p50_s": round(float(np.percentile(latencies, 50)), 3) if latencies else None,
+                "latency_p95_s": round(float(np.percentile(latencies, 95)), 3) if latencies else None,
+                "batch_requests": metrics["batch_requests"],
+                "batch_rows": metrics["batch_rows"],
+                "server_peak_rss_bytes": peak_rss,
+                "server_exit_code": exit_code,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,13 +24,46 @@ from jaxport.gpt import train as gpt_train
 from jaxport.gpt.model import estimate_mfu
 
 CONFIGS = {  # the original harness's CONFIGS
-    "cpu_readme": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0, vocab_size=65,
-                       bias=False, learning_rate=1e-3, beta2=0.99, weight_decay=0.1),
-    "shakespeare": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2, vocab_size=65,
-                        bias=False, learning_rate=1e-3, beta2=0.99, weight_decay=0.1),
+    "cpu_readme": dict(
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        block_size=64,
+        batch_size=12,
+        dropout=0.0,
+        vocab_size=65,
+        bias=False,
+        learning_rate=1e-3,
+        beta2=0.99,
+        weight_decay=0.1,
+    ),
+    "shakespeare": dict(
+        n_layer=6,
+        n_head=6,
+        n_embd=384,
+        block_size=256,
+        batch_size=64,
+        dropout=0.2,
+        vocab_size=65,
+        bias=False,
+        learning_rate=1e-3,
+        beta2=0.99,
+        weight_decay=0.1,
+    ),
     # jaxport's own: GPT-2 124M as nanoGPT's train.py defaults, one micro-batch of 8 rows
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8, dropout=0.0, vocab_size=50304,
-                 bias=False, learning_rate=6e-4, beta2=0.95, weight_decay=0.1),
+    "gpt2": dict(
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        block_size=1024,
+        batch_size=8,
+        dropout=0.0,
+        vocab_size=50304,
+        bias=False,
+        learning_rate=6e-4,
+        beta2=0.95,
+        weight_decay=0.1,
+    ),
 }
 
 
@@ -39,8 +72,14 @@ def bench(name: str, dropout: float | None, iters: int, warmup: int, peaks: dict
     spec = {**CONFIGS[name], **({} if dropout is None else {"dropout": dropout}), **overrides}
     vocab = spec.pop("vocab_size")
     device = {"cpu": "cpu", "tpu": "tpu"}.get(jax.default_backend(), "cuda")
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **spec, "device": device, "init_from": "scratch",
-           "gradient_accumulation_steps": 1}
+    cfg = {
+        **gpt_train.DEFAULTS,
+        **gpt_train.EXTRA,
+        **spec,
+        "device": device,
+        "init_from": "scratch",
+        "gradient_accumulation_steps": 1,
+    }
     trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
     rng = np.random.default_rng(0)
     shape = (1, cfg["batch_size"], cfg["block_size"])
@@ -57,12 +96,23 @@ def bench(name: str, dropout: float | None, iters: int, warmup: int, peaks: dict
     step_s = statistics.median(times[warmup:])
     dtype, rows = jnp.dtype(trainer.dtype).name, cfg["batch_size"]
     mfu = estimate_mfu(trainer.model.get_num_params(), trainer.model_config, rows, step_s, peak_flops(dtype, peaks)[0])
-    return {"benchmark": "gpt_train_iter", "config": name, "dropout": spec["dropout"], "dtype": dtype,
-            "batch_size": rows, "block_size": cfg["block_size"],
-            "first_iter_incl_compile_s": round(times[0], 3), "compile_s": round(times[0] - step_s, 3),
-            "iter_s_median": round(step_s, 5), "iter_s_all": [round(t, 5) for t in times[warmup:]],
-            "tokens_per_s": round(rows * cfg["block_size"] / step_s, 1), "mfu": round(mfu, 4),
-            "flops_per_iter": flops, **utilisation(flops, step_s, dtype, peaks), "peak_rss_bytes": peak_rss_bytes()}
+    return {
+        "benchmark": "gpt_train_iter",
+        "config": name,
+        "dropout": spec["dropout"],
+        "dtype": dtype,
+        "batch_size": rows,
+        "block_size": cfg["block_size"],
+        "first_iter_incl_compile_s": round(times[0], 3),
+        "compile_s": round(times[0] - step_s, 3),
+        "iter_s_median": round(step_s, 5),
+        "iter_s_all": [round(t, 5) for t in times[warmup:]],
+        "tokens_per_s": round(rows * cfg["block_size"] / step_s, 1),
+        "mfu": round(mfu, 4),
+        "flops_per_iter": flops,
+        **utilisation(flops, step_s, dtype, peaks),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 def main():

@@ -51,8 +51,11 @@ def dot_flops(line: str, instructions: dict) -> float:
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
     if not (out and lhs and contracting):
         return 0.0
-    shape = lhs.group(1) if lhs.group(1) is not None else re.search(
-        r"\[([\d,]*)\]", instructions.get(lhs.group(2), ("[]",))[0]).group(1)
+    shape = (
+        lhs.group(1)
+        if lhs.group(1) is not None
+        else re.search(r"\[([\d,]*)\]", instructions.get(lhs.group(2), ("[]",))[0]).group(1)
+    )
     lhs_shape = [int(d) for d in shape.split(",") if d]
     contracted = np.prod([lhs_shape[int(d)] for d in contracting.group(1).split(",") if d])
     return 2.0 * np.prod([int(d) for d in out.group(1).split(",") if d] or [1]) * contracted
@@ -72,7 +75,11 @@ def kind_of(name: str, instructions: dict, computations: dict) -> tuple[str, flo
     for kind in ("reduce", "transpose", "copy", "convert", "scatter", "gather", "rng-bit-generator"):
         if ops.get(kind):
             return kind if kind != "copy" else "copy/layout", 0.0, f"{shape} {opcode} {dict(ops.most_common(4))}"
-    return ("elementwise" if opcode == "fusion" or called else opcode), 0.0, f"{shape} {opcode} {dict(ops.most_common(4))}"
+    return (
+        ("elementwise" if opcode == "fusion" or called else opcode),
+        0.0,
+        f"{shape} {opcode} {dict(ops.most_common(4))}",
+    )
 
 
 def profile(function, args, top: int, only_kind: str | None = None) -> None:
@@ -99,8 +106,15 @@ def profile(function, args, top: int, only_kind: str | None = None) -> None:
         flops[name], described[name] = f, f"{kind:12s} {text}"
     dot_s = kinds.get("dot", 0.0)
     dot_flops_total = sum(flops.values())
-    print(json.dumps({"ops_s_total": round(total, 4), "by_kind_s": {k: round(v, 4) for k, v in kinds.most_common()},
-                      "dot_gflops": round(dot_flops_total / max(dot_s, 1e-9) / 1e9, 1)}))
+    print(
+        json.dumps(
+            {
+                "ops_s_total": round(total, 4),
+                "by_kind_s": {k: round(v, 4) for k, v in kinds.most_common()},
+                "dot_gflops": round(dot_flops_total / max(dot_s, 1e-9) / 1e9, 1),
+            }
+        )
+    )
     shown = [(n, s) for n, s in per_op.most_common() if only_kind is None or described[n].startswith(only_kind)]
     for name, seconds in shown[:top]:
         rate = f"{flops[name] / seconds / 1e9:7.1f} GFLOP/s" if flops[name] else " " * 15
@@ -114,29 +128,49 @@ def trm_step(args):
 
     from jaxport.trm import TRM, TRMConfig
     from jaxport.trm.model import loss_and_grad
+
     arch = dict(PAPER_SUDOKU)
     if args.size == "demo":  # bench/compare.py's trm_loop model (the original harness's README overrides)
-        arch.update(hidden_size=64, num_heads=2, H_cycles=2, L_cycles=2, halt_max_steps=4, puzzle_emb_ndim=0,
-                    puzzle_emb_len=0)
-    config = TRMConfig(**arch, mlp_t=args.mixer == "mlp_t", forward_dtype=args.dtype,
-                       pos_encodings="none" if args.mixer == "mlp_t" else "rope", batch_size=args.batch)
+        arch.update(
+            hidden_size=64, num_heads=2, H_cycles=2, L_cycles=2, halt_max_steps=4, puzzle_emb_ndim=0, puzzle_emb_len=0
+        )
+    config = TRMConfig(
+        **arch,
+        mlp_t=args.mixer == "mlp_t",
+        forward_dtype=args.dtype,
+        pos_encodings="none" if args.mixer == "mlp_t" else "rope",
+        batch_size=args.batch,
+    )
     model = TRM(config, rngs=nnx.Rngs(0))
     model.train()
     batch = {k: jnp.asarray(v) for k, v in sudoku_batch(args.batch, np.random.default_rng(0)).items()}
     graphdef, state = nnx.split(model)
-    step = lambda state, carry, batch: loss_and_grad(nnx.merge(graphdef, state), carry, batch, args.batch,  # noqa: E731
-                                                      jax.random.key(0))
+    step = lambda state, carry, batch: loss_and_grad(
+        nnx.merge(graphdef, state),
+        carry,
+        batch,
+        args.batch,  # noqa: E731
+        jax.random.key(0),
+    )
     return step, (state, model.initial_carry(batch), batch)
 
 
 def gpt_step(args):
     from jaxport.gpt import train as gpt_train
+
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from gpt_train_step import CONFIGS
+
     spec = dict(CONFIGS[args.config], dropout=args.dropout)
     vocab = spec.pop("vocab_size")
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **spec, "device": "cpu", "init_from": "scratch",
-           "gradient_accumulation_steps": 1}
+    cfg = {
+        **gpt_train.DEFAULTS,
+        **gpt_train.EXTRA,
+        **spec,
+        "device": "cpu",
+        "init_from": "scratch",
+        "gradient_accumulation_steps": 1,
+    }
     trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
     X = np.random.default_rng(0).integers(0, vocab, (1, cfg["batch_size"], cfg["block_size"]))
     Xd, Yd = trainer._shard(X, X)
@@ -149,10 +183,12 @@ def dream(args):
 
     from jaxport import dream as dream_lib
     from jaxport.dream.generate import _generate, prepare_generation
+
     model = dream_lib.random_model(dream_lib.preset("40m"))
     ids = np.random.default_rng(0).integers(0, 31000, (args.batch, 32)).astype(np.int32)
-    x, valid, key, cfg = prepare_generation(model, ids, None, max_new_tokens=args.new_tokens, steps=args.new_tokens,
-                                            alg="entropy")
+    x, valid, key, cfg = prepare_generation(
+        model, ids, None, max_new_tokens=args.new_tokens, steps=args.new_tokens, alg="entropy"
+    )
     graphdef, state = nnx.split(model)
     return (lambda state, x, key: _generate(graphdef, state, x, valid, key, cfg)), (state, x, key)
 

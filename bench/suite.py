@@ -44,21 +44,56 @@ from jaxport.dream import preset
 
 FAMILIES = ("trm", "gpt", "dream")
 UNITS = {"trm": "puzzles/s", "gpt": "tokens/s", "dream": "new tokens/s"}  # throughput
-TINY_TRM = dict(trm_step.PAPER_SUDOKU, hidden_size=64, num_heads=2, expansion=2, L_layers=1, H_cycles=2, L_cycles=1,
-                puzzle_emb_ndim=64, puzzle_emb_len=2, halt_max_steps=2)
+TINY_TRM = dict(
+    trm_step.PAPER_SUDOKU,
+    hidden_size=64,
+    num_heads=2,
+    expansion=2,
+    L_layers=1,
+    H_cycles=2,
+    L_cycles=1,
+    puzzle_emb_ndim=64,
+    puzzle_emb_len=2,
+    halt_max_steps=2,
+)
 SIZES = {  # family -> the workload on an accelerator, and with --tiny (each row compiles for seconds on a CPU: there
     # TRM has both mixers and both dtypes in two rows, Dream one batch size)
-    "trm": {"full": dict(arch=trm_step.PAPER_SUDOKU, batch=32, steps=10, warmup=2, title="paper Sudoku arch",
-                         rows=[(m, d) for m in ("attention", "mlp_t") for d in ("bfloat16", "float32")]),
-            "tiny": dict(arch=TINY_TRM, batch=4, steps=2, warmup=1, title="tiny arch",
-                         rows=[("attention", "bfloat16"), ("mlp_t", "float32")])},
-    "gpt": {"full": dict(model={}, batch=8, iters=10, warmup=3, title="GPT-2 124M"),
-            "tiny": dict(model=dict(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512), batch=4, iters=3,
-                         warmup=1, title="tiny GPT")},
-    "dream": {"full": dict(size="7b", dtype="bfloat16", prompt_len=32, new_tokens=256, batches=[1, 8], block_length=32,
-                           repeats=3),
-              "tiny": dict(size="tiny", dtype="bfloat16", prompt_len=8, new_tokens=32, batches=[2], block_length=16,
-                           repeats=1)},
+    "trm": {
+        "full": dict(
+            arch=trm_step.PAPER_SUDOKU,
+            batch=32,
+            steps=10,
+            warmup=2,
+            title="paper Sudoku arch",
+            rows=[(m, d) for m in ("attention", "mlp_t") for d in ("bfloat16", "float32")],
+        ),
+        "tiny": dict(
+            arch=TINY_TRM,
+            batch=4,
+            steps=2,
+            warmup=1,
+            title="tiny arch",
+            rows=[("attention", "bfloat16"), ("mlp_t", "float32")],
+        ),
+    },
+    "gpt": {
+        "full": dict(model={}, batch=8, iters=10, warmup=3, title="GPT-2 124M"),
+        "tiny": dict(
+            model=dict(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512),
+            batch=4,
+            iters=3,
+            warmup=1,
+            title="tiny GPT",
+        ),
+    },
+    "dream": {
+        "full": dict(
+            size="7b", dtype="bfloat16", prompt_len=32, new_tokens=256, batches=[1, 8], block_length=32, repeats=3
+        ),
+        "tiny": dict(
+            size="tiny", dtype="bfloat16", prompt_len=8, new_tokens=32, batches=[2], block_length=16, repeats=1
+        ),
+    },
 }
 FAST = dict(cache="dual", threshold=0.9)  # with the size's block_length: Fast-dLLM's settings
 NO_FAST_ORIGINAL = "upstream Dream has no fast decoding (Fast-dLLM is a separate code base)"
@@ -100,21 +135,40 @@ def generation_flops(cfg, batch: int, length: int, steps: int) -> float:
 
 # -- jaxport's rows, in a child process per family (`--child FAMILY`)
 
+
 def trm_rows(size: dict, peaks: dict):
     for (mixer, dtype), label in zip(size["rows"], workloads("trm", size)):
         r = trm_step.bench(mixer, dtype, "unrolled", size["batch"], size["steps"], None, peaks, arch=size["arch"])
-        yield {"workload": label, "dtype": dtype, "compile_s": r["compile_s"], "step_s": r["step_s_median"],
-               "throughput": size["batch"] / r["step_s_median"], "flops_per_step": r["flops_per_step"],
-               "flops_source": "XLA cost analysis", **utilisation_of(r), "detail": r}
+        yield {
+            "workload": label,
+            "dtype": dtype,
+            "compile_s": r["compile_s"],
+            "step_s": r["step_s_median"],
+            "throughput": size["batch"] / r["step_s_median"],
+            "flops_per_step": r["flops_per_step"],
+            "flops_source": "XLA cost analysis",
+            **utilisation_of(r),
+            "detail": r,
+        }
 
 
 def gpt_rows(size: dict, peaks: dict):
     model = dict(gpt_spec(size)["model"])
-    r = gpt_train_step.bench("gpt2", model.pop("dropout"), size["iters"], size["warmup"], peaks, **model,
-                             batch_size=size["batch"])
-    yield {"workload": workloads("gpt", size)[0], "dtype": r["dtype"], "compile_s": r["compile_s"],
-           "step_s": r["iter_s_median"], "throughput": r["tokens_per_s"], "flops_per_step": r["flops_per_iter"],
-           "flops_source": "XLA cost analysis", **utilisation_of(r), "mfu": r["mfu"], "detail": r}
+    r = gpt_train_step.bench(
+        "gpt2", model.pop("dropout"), size["iters"], size["warmup"], peaks, **model, batch_size=size["batch"]
+    )
+    yield {
+        "workload": workloads("gpt", size)[0],
+        "dtype": r["dtype"],
+        "compile_s": r["compile_s"],
+        "step_s": r["iter_s_median"],
+        "throughput": r["tokens_per_s"],
+        "flops_per_step": r["flops_per_iter"],
+        "flops_source": "XLA cost analysis",
+        **utilisation_of(r),
+        "mfu": r["mfu"],
+        "detail": r,
+    }
 
 
 def dream_rows(size: dict, peaks: dict):
@@ -129,20 +183,31 @@ def dream_rows(size: dict, peaks: dict):
     exact_s = None
     for (batch, fast), label in zip(modes, workloads("dream", size)):
         ids = np.random.default_rng(batch).integers(0, low, (batch, size["prompt_len"])).astype(np.int32)
-        timing = dream_fast.speed(model, ids, None, size["repeats"], max_new_tokens=new, steps=new, alg="entropy",
-                                  **fast)
+        timing = dream_fast.speed(
+            model, ids, None, size["repeats"], max_new_tokens=new, steps=new, alg="entropy", **fast
+        )
         seconds = timing["median_s"]
-        row = {"workload": label, "dtype": size["dtype"], "compile_s": timing["compile_s"], "step_s": seconds,
-               "throughput": batch * new / seconds,
-               "generation": {"prompt_len": size["prompt_len"], "new_tokens": new, "steps": new, **fast}}
+        row = {
+            "workload": label,
+            "dtype": size["dtype"],
+            "compile_s": timing["compile_s"],
+            "step_s": seconds,
+            "throughput": batch * new / seconds,
+            "generation": {"prompt_len": size["prompt_len"], "new_tokens": new, "steps": new, **fast},
+        }
         if not fast:
             exact_s, flops = seconds, generation_flops(cfg, batch, size["prompt_len"] + new, new)
             rate = utilisation(flops, seconds, size["dtype"], peaks)
-            row.update(flops_per_step=flops, flops_source="model FLOPs (upstream's full-canvas forward per step)",
-                       **rate, mfu=rate["fraction_of_peak"])
+            row.update(
+                flops_per_step=flops,
+                flops_source="model FLOPs (upstream's full-canvas forward per step)",
+                **rate,
+                mfu=rate["fraction_of_peak"],
+            )
         else:  # the exact row of this batch came just before
-            row.update(speedup_vs_exact=exact_s / seconds,
-                       flops_note="data-dependent (threshold, cache): compare new tokens/s")
+            row.update(
+                speedup_vs_exact=exact_s / seconds, flops_note="data-dependent (threshold, cache): compare new tokens/s"
+            )
         yield row
 
 
@@ -158,12 +223,23 @@ def child(family: str, size: dict) -> None:
     versions = {k: env[k] for k in ("jax", "jaxlib", "flax", "python")}
     peaks = {}
     for row in {"trm": trm_rows, "gpt": gpt_rows, "dream": dream_rows}[family](size, peaks):
-        emit({"section": family, "side": "jaxport", "status": "ok", "device": env["device"],
-              "platform": env["platform"], "versions": versions, **row, "throughput_unit": UNITS[family],
-              **memory_high_water()})
+        emit(
+            {
+                "section": family,
+                "side": "jaxport",
+                "status": "ok",
+                "device": env["device"],
+                "platform": env["platform"],
+                "versions": versions,
+                **row,
+                "throughput_unit": UNITS[family],
+                **memory_high_water(),
+            }
+        )
 
 
 # -- the originals' rows
+
 
 def run_child(command: list[str]) -> tuple[str, int, str]:
     """(stdout, exit code, the last lines of stderr) of a child process; its stderr passes through as it runs."""
@@ -184,20 +260,29 @@ def originals_status(skip: bool) -> dict:
         return {"available": False, "reason": "skipped (--skip-originals)"}
     missing = [name for name in compare.REF_ENV if not os.environ.get(name)]
     if missing:
-        return {"available": False, "reason": f"{', '.join(missing)} not set: run "
-                                              f"eval \"$({compare.SHARED / 'originals' / 'setup'})\" first"}
+        return {
+            "available": False,
+            "reason": f'{", ".join(missing)} not set: run eval "$({compare.SHARED / "originals" / "setup"})" first',
+        }
     ref_py = os.environ["REF_PY"]
     if not shutil.which(ref_py):
         return {"available": False, "reason": f"REF_PY={ref_py} is not an executable Python"}
     probe = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, torch.cuda.is_available()]))"
     proc = subprocess.run([ref_py, "-c", probe], capture_output=True, text=True)
     if proc.returncode:
-        return {"available": False, "reason": f"torch is not importable by REF_PY={ref_py}: "
-                                              f"{(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}"}
+        return {
+            "available": False,
+            "reason": f"torch is not importable by REF_PY={ref_py}: "
+            f"{(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}",
+        }
     version, cuda, available = json.loads(proc.stdout.splitlines()[-1])
     if not available:
-        return {"available": False, "reason": f"torch {version} in REF_PY has no CUDA device (the originals run "
-                                              f"under torch.compile on a GPU only)", "torch": version}
+        return {
+            "available": False,
+            "reason": f"torch {version} in REF_PY has no CUDA device (the originals run "
+            f"under torch.compile on a GPU only)",
+            "torch": version,
+        }
     return {"available": True, "torch": version, "cuda": cuda}
 
 
@@ -205,13 +290,23 @@ def original_spec(family: str, size: dict) -> dict:
     """The workload for bench/torch_originals.py: the same configurations as jaxport's rows."""
     if family == "trm":
         configs = [trm_step.model_config(mixer, dtype, size["batch"], size["arch"]) for mixer, dtype in size["rows"]]
-        return {"configs": [{"name": name, "arch": c.model_dump(exclude={"name", "loss"})}
-                            for name, c in zip(workloads(family, size), configs)],
-                "loss_type": configs[0].loss_type, "steps": size["steps"], "warmup": size["warmup"]}
+        return {
+            "configs": [
+                {"name": name, "arch": c.model_dump(exclude={"name", "loss"})}
+                for name, c in zip(workloads(family, size), configs)
+            ],
+            "loss_type": configs[0].loss_type,
+            "steps": size["steps"],
+            "warmup": size["warmup"],
+        }
     if family == "gpt":
         return {**gpt_spec(size), "iters": size["iters"], "warmup": size["warmup"]}
-    return {"config": preset(size["size"]).to_hf_dict(size["dtype"]), "dtype": size["dtype"], "alg": "entropy",
-            **{k: size[k] for k in ("prompt_len", "new_tokens", "batches", "repeats")}}
+    return {
+        "config": preset(size["size"]).to_hf_dict(size["dtype"]),
+        "dtype": size["dtype"],
+        "alg": "entropy",
+        **{k: size[k] for k in ("prompt_len", "new_tokens", "batches", "repeats")},
+    }
 
 
 def original_rows(family: str, size: dict, mine: list[dict], status: dict, tmp: Path) -> list[dict]:
@@ -226,8 +321,17 @@ def original_rows(family: str, size: dict, mine: list[dict], status: dict, tmp: 
         return [absent(label, status["reason"]) for label in labels]
     spec, out = tmp / f"{family}_spec.json", tmp / f"{family}_original.json"
     spec.write_text(json.dumps(original_spec(family, size)))
-    _, code, err = run_child([os.environ["REF_PY"], str(Path(__file__).with_name("torch_originals.py")), family,
-                              "--spec", str(spec), "--out", str(out)])
+    _, code, err = run_child(
+        [
+            os.environ["REF_PY"],
+            str(Path(__file__).with_name("torch_originals.py")),
+            family,
+            "--spec",
+            str(spec),
+            "--out",
+            str(out),
+        ]
+    )
     if code:
         return [absent(label, f"the original failed (exit {code}): {err}", "error") for label in labels]
     result = json.loads(out.read_text())
@@ -239,45 +343,84 @@ def original_rows(family: str, size: dict, mine: list[dict], status: dict, tmp: 
         if r is None:
             rows.append(absent(label, "the original has no such workload"))
             continue
-        row = {"section": family, "side": "original", "workload": label, "status": "ok", "device": result["device"],
-               "platform": result["platform"], "versions": result["versions"], "compiled": result["compiled"],
-               "dtype": r["dtype"], "compile_s": r["compile_s"], "step_s": r["step_s"], "throughput": r["throughput"],
-               "throughput_unit": UNITS[family], "memory_bytes": r["memory_bytes"], "memory_source": r["memory_source"],
-               "detail": r}
+        row = {
+            "section": family,
+            "side": "original",
+            "workload": label,
+            "status": "ok",
+            "device": result["device"],
+            "platform": result["platform"],
+            "versions": result["versions"],
+            "compiled": result["compiled"],
+            "dtype": r["dtype"],
+            "compile_s": r["compile_s"],
+            "step_s": r["step_s"],
+            "throughput": r["throughput"],
+            "throughput_unit": UNITS[family],
+            "memory_bytes": r["memory_bytes"],
+            "memory_source": r["memory_source"],
+            "detail": r,
+        }
         mine_row = ours.get(label)
         if mine_row:  # the same computation in the original's time: the rates scale by jaxport's time / its own
             mine_row["vs_original"] = r["step_s"] / mine_row["step_s"]  # above 1: jaxport is faster
-            row.update({k: mine_row[k] for k in ("flops_per_step", "flops_source", "matmul_peak_gflops", "peak_source")
-                        if k in mine_row})
-            row.update({k: mine_row[k] / mine_row["vs_original"] for k in ("achieved_gflops", "fraction_of_peak", "mfu")
-                        if mine_row.get(k) is not None})
+            row.update(
+                {
+                    k: mine_row[k]
+                    for k in ("flops_per_step", "flops_source", "matmul_peak_gflops", "peak_source")
+                    if k in mine_row
+                }
+            )
+            row.update(
+                {
+                    k: mine_row[k] / mine_row["vs_original"]
+                    for k in ("achieved_gflops", "fraction_of_peak", "mfu")
+                    if mine_row.get(k) is not None
+                }
+            )
         rows.append(row)
     return rows
 
 
 # -- the report
 
+
 def family_rows(family: str, size: dict, args, status: dict, tmp: Path) -> tuple[dict | None, list[dict]]:
-    command = [sys.executable, __file__, "--child", family, *(["--tiny"] if args.tiny else []),
-               *(["--batch", str(args.batch)] if args.batch else [])]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        family,
+        *(["--tiny"] if args.tiny else []),
+        *(["--batch", str(args.batch)] if args.batch else []),
+    ]
     out, code, err = run_child(command)
     lines = compare.json_lines(out)
     machine = next((line["machine"] for line in lines if "machine" in line), None)
     mine = [line for line in lines if line.get("section") == family]
     if code:
-        mine.append({"section": family, "side": "jaxport", "workload": "(the rest)", "status": "error",
-                     "reason": f"exit {code}: {err}"})
+        mine.append(
+            {
+                "section": family,
+                "side": "jaxport",
+                "workload": "(the rest)",
+                "status": "error",
+                "reason": f"exit {code}: {err}",
+            }
+        )
     return machine, mine + original_rows(family, size, [r for r in mine if r["status"] == "ok"], status, tmp)
 
 
 def titles(size: dict) -> dict:
     trm, gpt, dream = size["trm"], size["gpt"], size["dream"]
     spec = gpt_spec(gpt)["model"]
-    return {"trm": f"TRM: one ACT call, forward + backward ({trm['title']}, batch {trm['batch']})",
-            "gpt": f"GPT: one training iteration ({gpt['title']}, batch {gpt['batch']} x block {spec['block_size']})",
-            "dream": f"Dream: diffusion generation ({dream['size']} random-init {dream['dtype']}, prompt "
-                     f"{dream['prompt_len']} + {dream['new_tokens']} new tokens; fast: blocks of "
-                     f"{dream['block_length']}, {FAST['cache']} cache, threshold {FAST['threshold']})"}
+    return {
+        "trm": f"TRM: one ACT call, forward + backward ({trm['title']}, batch {trm['batch']})",
+        "gpt": f"GPT: one training iteration ({gpt['title']}, batch {gpt['batch']} x block {spec['block_size']})",
+        "dream": f"Dream: diffusion generation ({dream['size']} random-init {dream['dtype']}, prompt "
+        f"{dream['prompt_len']} + {dream['new_tokens']} new tokens; fast: blocks of "
+        f"{dream['block_length']}, {FAST['cache']} cache, threshold {FAST['threshold']})",
+    }
 
 
 def flops_text(gflops) -> str:
@@ -295,35 +438,57 @@ def table_row(r: dict) -> str:
         last = r["reason"].strip().splitlines()[-1]  # an error's last line names it; the JSON has more
         return f"| {r['workload']} | {r['side']} | | | | | | | | | | {r['status']}: {last} |"
     versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items() if k in ("jax", "torch", "cuda"))
-    note = [f"{r['speedup_vs_exact']:.2f}x exact" if "speedup_vs_exact" in r else "",
-            f"{r['vs_original']:.2f}x the original" if "vs_original" in r else "",
-            "torch.compile" if r.get("compiled") else "", "" if r["dtype"] in r["workload"] else r["dtype"]]
+    note = [
+        f"{r['speedup_vs_exact']:.2f}x exact" if "speedup_vs_exact" in r else "",
+        f"{r['vs_original']:.2f}x the original" if "vs_original" in r else "",
+        "torch.compile" if r.get("compiled") else "",
+        "" if r["dtype"] in r["workload"] else r["dtype"],
+    ]
     throughput = f"{r['throughput']:,.0f}" if r["throughput"] >= 100 else f"{r['throughput']:.3g}"
-    return (f"| {r['workload']} | {r['side']} | {r['device']} | {versions} | {r['compile_s']:.2f} | "
-            f"{r['step_s']:.4g} | {throughput} {r['throughput_unit']} | {flops_text(r.get('achieved_gflops'))} | "
-            f"{percent(r.get('fraction_of_peak'))} | {percent(r.get('mfu'))} | {r['memory_bytes'] / 2**20:,.0f} | "
-            f"{', '.join(n for n in note if n)} |")
+    return (
+        f"| {r['workload']} | {r['side']} | {r['device']} | {versions} | {r['compile_s']:.2f} | "
+        f"{r['step_s']:.4g} | {throughput} {r['throughput_unit']} | {flops_text(r.get('achieved_gflops'))} | "
+        f"{percent(r.get('fraction_of_peak'))} | {percent(r.get('mfu'))} | {r['memory_bytes'] / 2**20:,.0f} | "
+        f"{', '.join(n for n in note if n)} |"
+    )
 
 
 def markdown(report: dict) -> str:
     machine, originals = report["machine"] or {}, report["originals"]
-    lines = [f"# jaxport suite: {machine.get('device', '?')} ({machine.get('platform', '?')}), {report['date']}", "",
-             f"jax {machine.get('jax')}, jaxlib {machine.get('jaxlib')}, flax {machine.get('flax')}, "
-             f"{machine.get('device_count')} device(s); originals: "
-             + (f"torch {originals['torch']} (CUDA {originals['cuda']}) under torch.compile" if originals["available"]
-                else f"not run ({originals['reason']})")
-             + (". **--tiny**: tiny sizes, a smoke run, not a measurement." if report["tiny"] else "."), ""]
+    lines = [
+        f"# jaxport suite: {machine.get('device', '?')} ({machine.get('platform', '?')}), {report['date']}",
+        "",
+        f"jax {machine.get('jax')}, jaxlib {machine.get('jaxlib')}, flax {machine.get('flax')}, "
+        f"{machine.get('device_count')} device(s); originals: "
+        + (
+            f"torch {originals['torch']} (CUDA {originals['cuda']}) under torch.compile"
+            if originals["available"]
+            else f"not run ({originals['reason']})"
+        )
+        + (". **--tiny**: tiny sizes, a smoke run, not a measurement." if report["tiny"] else "."),
+        "",
+    ]
     for family, rows in report["sections"].items():
         peaks = sorted({(r["peak_source"], r["matmul_peak_gflops"]) for r in rows if "peak_source" in r})
-        lines += [f"## {report['titles'][family]}", "",
-                  "| workload | side | device | versions | compile (s) | step (s) | throughput | FLOP/s | % of peak "
-                  "| MFU | memory (MiB) | note |", "|" + "---|" * 12, *map(table_row, rows), "",
-                  "Peak: " + ("; ".join(f"{source} {flops_text(g)}" for source, g in peaks) or "—"), ""]
-    lines += ["Memory: jaxport, the high-water mark of the family's process when the row finished (device "
-              "peak_bytes_in_use, or peak RSS on a CPU); the original, each row's torch.cuda.max_memory_allocated. "
-              "MFU: nanoGPT's formula (GPT) or the upstream algorithm's model FLOPs (Dream exact) over the peak; % of "
-              "peak: XLA-counted FLOPs (TRM, GPT). An original's row counts the same FLOPs as jaxport's in its own "
-              "time; \"Nx the original\" is the original's time over jaxport's.", ""]
+        lines += [
+            f"## {report['titles'][family]}",
+            "",
+            "| workload | side | device | versions | compile (s) | step (s) | throughput | FLOP/s | % of peak "
+            "| MFU | memory (MiB) | note |",
+            "|" + "---|" * 12,
+            *map(table_row, rows),
+            "",
+            "Peak: " + ("; ".join(f"{source} {flops_text(g)}" for source, g in peaks) or "—"),
+            "",
+        ]
+    lines += [
+        "Memory: jaxport, the high-water mark of the family's process when the row finished (device "
+        "peak_bytes_in_use, or peak RSS on a CPU); the original, each row's torch.cuda.max_memory_allocated. "
+        "MFU: nanoGPT's formula (GPT) or the upstream algorithm's model FLOPs (Dream exact) over the peak; % of "
+        "peak: XLA-counted FLOPs (TRM, GPT). An original's row counts the same FLOPs as jaxport's in its own "
+        "time; \"Nx the original\" is the original's time over jaxport's.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -347,9 +512,17 @@ def main() -> int:
     if unknown:
         parser.error(f"--only {args.only}: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
     status = originals_status(args.skip_originals)
-    report = {"suite": "jaxport accelerator suite", "date": time.strftime("%Y-%m-%d %H:%M"), "tiny": args.tiny,
-              "command": " ".join(sys.argv), "machine": None, "originals": status,
-              "titles": {f: t for f, t in titles(size).items() if f in families}, "sizes": {}, "sections": {}}
+    report = {
+        "suite": "jaxport accelerator suite",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "tiny": args.tiny,
+        "command": " ".join(sys.argv),
+        "machine": None,
+        "originals": status,
+        "titles": {f: t for f, t in titles(size).items() if f in families},
+        "sizes": {},
+        "sections": {},
+    }
     with tempfile.TemporaryDirectory(prefix="jaxport_suite_") as tmp:
         for family in families:
             machine, rows = family_rows(family, size[family], args, status, Path(tmp))

@@ -49,14 +49,18 @@ class Device:
     def memory(self) -> dict:
         if self.cuda:
             return {"memory_bytes": torch.cuda.max_memory_allocated(), "memory_source": "torch max_memory_allocated"}
-        return {"memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "memory_source": "process peak RSS"}
+        return {
+            "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "memory_source": "process peak RSS",
+        }
 
     def describe(self) -> dict:
         kind = torch.cuda.get_device_name() if self.cuda else platform.processor() or platform.machine()
-        return {"device": kind, "platform": "gpu" if self.cuda else "cpu",
-                "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                             "python": platform.python_version()}}
+        return {
+            "device": kind,
+            "platform": "gpu" if self.cuda else "cpu",
+            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+        }
 
 
 def timed(device: Device, call, runs: int, warmup: int = 0) -> dict:
@@ -68,9 +72,14 @@ def timed(device: Device, call, runs: int, warmup: int = 0) -> dict:
         call()
         device.sync()
         times.append(time.perf_counter() - start)
-    median = statistics.median(times[1 + warmup:])
-    return {"first_s": times[0], "compile_s": times[0] - median, "step_s": median, "step_s_all": times[1 + warmup:],
-            **device.memory()}
+    median = statistics.median(times[1 + warmup :])
+    return {
+        "first_s": times[0],
+        "compile_s": times[0] - median,
+        "step_s": median,
+        "step_s_all": times[1 + warmup :],
+        **device.memory(),
+    }
 
 
 def gpt(spec: dict, device: Device, compile: bool) -> list[dict]:
@@ -97,9 +106,16 @@ def gpt(spec: dict, device: Device, compile: bool) -> list[dict]:
         optimizer.zero_grad(set_to_none=True)
 
     result = timed(device, iteration, spec["iters"], spec["warmup"])
-    return [{"name": "training iteration", "dtype": "bfloat16 autocast" if device.cuda else "float32", **result,
-             "throughput": rows * block / result["step_s"], "num_params": model.get_num_params(),
-             "mfu_a100_bf16": model.estimate_mfu(rows, result["step_s"])}]
+    return [
+        {
+            "name": "training iteration",
+            "dtype": "bfloat16 autocast" if device.cuda else "float32",
+            **result,
+            "throughput": rows * block / result["step_s"],
+            "num_params": model.get_num_params(),
+            "mfu_a100_bf16": model.estimate_mfu(rows, result["step_s"]),
+        }
+    ]
 
 
 def trm(spec: dict, device: Device, compile: bool) -> list[dict]:
@@ -115,9 +131,11 @@ def trm(spec: dict, device: Device, compile: bool) -> list[dict]:
         with torch.device(device.name):  # as pretrain.py builds the model and the carry
             model = loss_class(model_class(arch), loss_type=spec["loss_type"])
             model.train()
-            batch = {"inputs": torch.randint(1, vocab, (rows, length), dtype=torch.int32),
-                     "labels": torch.randint(1, vocab, (rows, length), dtype=torch.int32),
-                     "puzzle_identifiers": torch.zeros(rows, dtype=torch.int32)}
+            batch = {
+                "inputs": torch.randint(1, vocab, (rows, length), dtype=torch.int32),
+                "labels": torch.randint(1, vocab, (rows, length), dtype=torch.int32),
+                "puzzle_identifiers": torch.zeros(rows, dtype=torch.int32),
+            }
             carry = model.initial_carry(batch)
         forward = torch.compile(model) if compile else model
         # the parameters and the sparse puzzle embedding's per-batch rows (a buffer that takes gradients)
@@ -131,8 +149,12 @@ def trm(spec: dict, device: Device, compile: bool) -> list[dict]:
             ((1 / rows) * loss).backward()
 
         result = timed(device, step, spec["steps"], spec["warmup"])
-        return {"dtype": arch["forward_dtype"], **result, "throughput": rows / result["step_s"],
-                "n_params": sum(p.numel() for p in model.parameters())}
+        return {
+            "dtype": arch["forward_dtype"],
+            **result,
+            "throughput": rows / result["step_s"],
+            "n_params": sum(p.numel() for p in model.parameters()),
+        }
 
     return [{"name": config["name"], **measure(config["arch"])} for config in spec["configs"]]
 
@@ -159,12 +181,23 @@ def dream(spec: dict, device: Device, compile: bool) -> list[dict]:
 
         def generate():
             with torch.no_grad():
-                model.diffusion_generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, steps=new,
-                                         temperature=0.0, alg=spec["alg"], alg_temp=0.0)
+                model.diffusion_generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new,
+                    steps=new,
+                    temperature=0.0,
+                    alg=spec["alg"],
+                    alg_temp=0.0,
+                )
 
         result = timed(device, generate, spec["repeats"])
-        return {"name": f"exact, batch {batch}", "dtype": spec["dtype"], **result,
-                "throughput": batch * new / result["step_s"]}
+        return {
+            "name": f"exact, batch {batch}",
+            "dtype": spec["dtype"],
+            **result,
+            "throughput": batch * new / result["step_s"],
+        }
 
     rows = [measure(batch) for batch in spec["batches"]]
     runnable.cleanup()

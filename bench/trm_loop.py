@@ -27,9 +27,17 @@ def main():
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="trm_loop_")
-    config = load_run_config(args.overrides + [f"data_paths=[{Path(args.data) / 'data'}]", "evaluators=[]",
-                                               f"checkpoint_path={scratch}/run", "+project_name=bench",
-                                               "+run_name=loop", "checkpoint_every_eval=false"])
+    config = load_run_config(
+        args.overrides
+        + [
+            f"data_paths=[{Path(args.data) / 'data'}]",
+            "evaluators=[]",
+            f"checkpoint_path={scratch}/run",
+            "+project_name=bench",
+            "+run_name=loop",
+            "checkpoint_every_eval=false",
+        ]
+    )
     trainer = Trainer(config)
     marks = {"eval_s": 0.0}
     train_batch, evaluate = trainer.train_batch, trainer.evaluate
@@ -56,11 +64,22 @@ def main():
     loop_s = end - marks["first_step_done"] - marks["eval_s"]
     rows = [json.loads(line) for line in (Path(scratch) / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/lm_loss"] for r in rows if "train/lm_loss" in r]
-    emit({"benchmark": "trm_training_loop", "machine": environment(), "overrides": args.overrides, "steps": steps,
-          "step_s": round(loop_s / (steps - 1), 5), "loop_s_excluding_eval": round(loop_s, 2),
-          "first_step_incl_compile_s": round(marks["first_step_done"] - start, 2), "eval_s": round(marks["eval_s"], 2),
-          "wall_s": round(end - start, 2), "final_eval": result["eval"], "lm_loss_first_last": [losses[0], losses[-1]],
-          "peak_rss_bytes": peak_rss_bytes()})
+    emit(
+        {
+            "benchmark": "trm_training_loop",
+            "machine": environment(),
+            "overrides": args.overrides,
+            "steps": steps,
+            "step_s": round(loop_s / (steps - 1), 5),
+            "loop_s_excluding_eval": round(loop_s, 2),
+            "first_step_incl_compile_s": round(marks["first_step_done"] - start, 2),
+            "eval_s": round(marks["eval_s"], 2),
+            "wall_s": round(end - start, 2),
+            "final_eval": result["eval"],
+            "lm_loss_first_last": [losses[0], losses[-1]],
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -21,25 +21,52 @@ from flax import nnx
 from jaxport.trm import TRM, TRMConfig
 from jaxport.trm.model import loss_and_grad
 
-PAPER_SUDOKU = dict(vocab_size=11, num_puzzle_identifiers=1, seq_len=81, hidden_size=512, num_heads=8, expansion=4,
-                    L_layers=2, H_cycles=3, L_cycles=6, puzzle_emb_ndim=512, puzzle_emb_len=16, halt_max_steps=16,
-                    halt_exploration_prob=0.1)
+PAPER_SUDOKU = dict(
+    vocab_size=11,
+    num_puzzle_identifiers=1,
+    seq_len=81,
+    hidden_size=512,
+    num_heads=8,
+    expansion=4,
+    L_layers=2,
+    H_cycles=3,
+    L_cycles=6,
+    puzzle_emb_ndim=512,
+    puzzle_emb_len=16,
+    halt_max_steps=16,
+    halt_exploration_prob=0.1,
+)
 
 
 def sudoku_batch(batch_size: int, rng: np.random.Generator) -> dict:
-    return {"inputs": rng.integers(1, 11, (batch_size, 81), dtype=np.int32),
-            "labels": rng.integers(1, 11, (batch_size, 81), dtype=np.int32),
-            "puzzle_identifiers": np.zeros((batch_size,), np.int32)}
+    return {
+        "inputs": rng.integers(1, 11, (batch_size, 81), dtype=np.int32),
+        "labels": rng.integers(1, 11, (batch_size, 81), dtype=np.int32),
+        "puzzle_identifiers": np.zeros((batch_size,), np.int32),
+    }
 
 
 def model_config(mixer: str, dtype: str, batch_size: int, arch: dict = PAPER_SUDOKU) -> TRMConfig:
     """`arch` with the mixer's settings as upstream runs them (the README's mlp_t run has no positions)."""
-    return TRMConfig(**arch, mlp_t=mixer == "mlp_t", forward_dtype=dtype,
-                     pos_encodings="none" if mixer == "mlp_t" else "rope", batch_size=batch_size)
+    return TRMConfig(
+        **arch,
+        mlp_t=mixer == "mlp_t",
+        forward_dtype=dtype,
+        pos_encodings="none" if mixer == "mlp_t" else "rope",
+        batch_size=batch_size,
+    )
 
 
-def bench(mixer: str, dtype: str, loop: str, batch_size: int, steps: int, row_chunks: int | None, peaks: dict,
-          arch: dict = PAPER_SUDOKU) -> dict:
+def bench(
+    mixer: str,
+    dtype: str,
+    loop: str,
+    batch_size: int,
+    steps: int,
+    row_chunks: int | None,
+    peaks: dict,
+    arch: dict = PAPER_SUDOKU,
+) -> dict:
     config = model_config(mixer, dtype, batch_size, arch)
     model = TRM(config, rngs=nnx.Rngs(0), unroll_cycles=loop == "unrolled", row_chunks=row_chunks)
     model.train()
@@ -65,10 +92,20 @@ def bench(mixer: str, dtype: str, loop: str, batch_size: int, steps: int, row_ch
         jax.block_until_ready(grads)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    return {"benchmark": "trm_act_call_fwd_bwd", "mixer": mixer, "forward_dtype": dtype, "loop": loop,
-            "row_chunks": model.chunks_for(batch_size), "batch": batch_size, "compile_s": round(compile_s, 2),
-            "step_s_median": round(step_s, 4), "step_s_all": [round(t, 4) for t in times], "flops_per_step": flops,
-            **utilisation(flops, step_s, dtype, peaks), "peak_rss_bytes": peak_rss_bytes()}
+    return {
+        "benchmark": "trm_act_call_fwd_bwd",
+        "mixer": mixer,
+        "forward_dtype": dtype,
+        "loop": loop,
+        "row_chunks": model.chunks_for(batch_size),
+        "batch": batch_size,
+        "compile_s": round(compile_s, 2),
+        "step_s_median": round(step_s, 4),
+        "step_s_all": [round(t, 4) for t in times],
+        "flops_per_step": flops,
+        **utilisation(flops, step_s, dtype, peaks),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 def main():
@@ -78,7 +115,9 @@ def main():
     parser.add_argument("--mixers", default="attention,mlp_t")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--loops", default="unrolled", help="unrolled and/or fori (comma-separated)")
-    parser.add_argument("--row-chunks", type=int, default=None, help="recursion row chunks (default: the model's choice)")
+    parser.add_argument(
+        "--row-chunks", type=int, default=None, help="recursion row chunks (default: the model's choice)"
+    )
     args = parser.parse_args()
     emit({"machine": environment()})
     peaks = {}

@@ -13,11 +13,32 @@ CASE = Path(__file__).parent / "fixtures" / "dream" / "tiny_sharded"
 
 def test_generate_batch_from_jsonl_matches_recorded_tokens(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Add two numbers."}]}) + "\n"
-                       + json.dumps("def add(a, b):") + "\n")
-    code = cli.main(["dream", "generate", "--model", str(CASE / "model"), "--prompts", str(prompts),
-                     "--batch-size", "2", "--max-new-tokens", "16", "--steps", "8", "--alg", "entropy",
-                     "--dtype", "float32"])
+    prompts.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Add two numbers."}]})
+        + "\n"
+        + json.dumps("def add(a, b):")
+        + "\n"
+    )
+    code = cli.main(
+        [
+            "dream",
+            "generate",
+            "--model",
+            str(CASE / "model"),
+            "--prompts",
+            str(prompts),
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--steps",
+            "8",
+            "--alg",
+            "entropy",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     lines = [json.loads(line) for line in captured.out.splitlines()]
@@ -28,9 +49,26 @@ def test_generate_batch_from_jsonl_matches_recorded_tokens(tmp_path, capsys):
 
 
 def test_generate_watch_and_chat(capsys):
-    code = cli.main(["dream", "generate", "--model", str(CASE / "model"), "--prompt", "Add two numbers.", "--chat",
-                     "--max-new-tokens", "8", "--steps", "4", "--alg", "maskgit_plus", "--dtype", "float32",
-                     "--watch"])
+    code = cli.main(
+        [
+            "dream",
+            "generate",
+            "--model",
+            str(CASE / "model"),
+            "--prompt",
+            "Add two numbers.",
+            "--chat",
+            "--max-new-tokens",
+            "8",
+            "--steps",
+            "4",
+            "--alg",
+            "maskgit_plus",
+            "--dtype",
+            "float32",
+            "--watch",
+        ]
+    )
     assert code == 0
     err = capsys.readouterr().err
     assert "[step 1/4 row 0]" in err and "[step 4/4 row 0]" in err
@@ -38,12 +76,15 @@ def test_generate_watch_and_chat(capsys):
     assert first.count("_") >= 6  # 8 masks, 2 unmasked after the first of 4 steps
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompts", "nowhere.jsonl"], "--prompts nowhere.jsonl: no such file"),
-    (["--prompt", "x", "--alg", "greedy"], "unknown alg 'greedy'"),
-    (["--prompt", "x", "--dtype", "int8"], "unsupported dtype 'int8'"),
-    (["--prompt", "x", "--steps", "99", "--max-new-tokens", "8"], "steps=99 must be between 1 and"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompts", "nowhere.jsonl"], "--prompts nowhere.jsonl: no such file"),
+        (["--prompt", "x", "--alg", "greedy"], "unknown alg 'greedy'"),
+        (["--prompt", "x", "--dtype", "int8"], "unsupported dtype 'int8'"),
+        (["--prompt", "x", "--steps", "99", "--max-new-tokens", "8"], "steps=99 must be between 1 and"),
+    ],
+)
 def test_generate_errors(capsys, args, message):
     code = cli.main(["dream", "generate", "--model", str(CASE / "model"), *args])
     assert code == 1
@@ -52,8 +93,24 @@ def test_generate_errors(capsys, args, message):
 
 
 def test_bench_random_init(capsys):
-    code = cli.main(["dream", "bench", "--random-init", "tiny", "--batch-sizes", "1,2", "--prompt-len", "8",
-                     "--max-new-tokens", "8", "--steps", "4", "--repeats", "1"])
+    code = cli.main(
+        [
+            "dream",
+            "bench",
+            "--random-init",
+            "tiny",
+            "--batch-sizes",
+            "1,2",
+            "--prompt-len",
+            "8",
+            "--max-new-tokens",
+            "8",
+            "--steps",
+            "4",
+            "--repeats",
+            "1",
+        ]
+    )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["platform"] == "cpu" and result["dtype"] == "float32" and result["config"]["hidden_size"] == 64

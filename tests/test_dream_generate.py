@@ -28,9 +28,17 @@ def data():
 
 
 def run(model, inputs, setting, **extra):
-    kwargs = dict(max_new_tokens=setting["max_new_tokens"], steps=setting["steps"], alg=setting["alg"],
-                  temperature=setting["temperature"], top_p=setting["top_p"], top_k=setting["top_k"],
-                  eps=setting["eps"], output_history=True, output_scores=True)
+    kwargs = dict(
+        max_new_tokens=setting["max_new_tokens"],
+        steps=setting["steps"],
+        alg=setting["alg"],
+        temperature=setting["temperature"],
+        top_p=setting["top_p"],
+        top_k=setting["top_k"],
+        eps=setting["eps"],
+        output_history=True,
+        output_scores=True,
+    )
     kwargs.update(extra)
     return model.diffusion_generate(inputs["input_ids"], inputs["attention_mask"], **kwargs)
 
@@ -39,8 +47,9 @@ def run(model, inputs, setting, **extra):
 def test_recorded_generation(model, data, name):
     inputs, expected = data
     setting = SETTINGS[name]
-    np.testing.assert_array_equal(timesteps(setting["steps"], setting["eps"]),
-                                  np.asarray(setting["timesteps_float32"], np.float32))
+    np.testing.assert_array_equal(
+        timesteps(setting["steps"], setting["eps"]), np.asarray(setting["timesteps_float32"], np.float32)
+    )
     # alg_temp 0 means "no sampling of positions", exactly as None (upstream checks both)
     out = run(model, inputs, setting, alg_temp=0.0 if name == "topk_margin_s8" else None)
     want = {k: expected[f"gen__{name}__{k}"] for k in ("sequences", "history", "n_transfer", "confidence", "x0")}
@@ -70,8 +79,11 @@ def test_logits_hook_sees_the_shifted_logits(model, data):
     np.testing.assert_array_equal(np.asarray(out.sequences), expected["gen__maskgit_plus_s5__sequences"])
     L = inputs["input_ids"].shape[1]
     got = np.stack(seen)[:, :, L:]
-    np.testing.assert_allclose(got, expected["gen__maskgit_plus_s5__step_logits_canvas"],
-                               **{k: META["tolerances"]["logits_shifted"][k] for k in ("atol", "rtol")})
+    np.testing.assert_allclose(
+        got,
+        expected["gen__maskgit_plus_s5__step_logits_canvas"],
+        **{k: META["tolerances"]["logits_shifted"][k] for k in ("atol", "rtol")},
+    )
 
 
 def test_tokens_hook_controls_the_canvas(model, data):
@@ -84,8 +96,13 @@ def test_tokens_hook_controls_the_canvas(model, data):
         return x.at[:, L].set(7)
 
     progress = []
-    out = run(model, inputs, SETTINGS["entropy_s8"], generation_tokens_hook_func=force_first_token,
-              progress=lambda step, x: progress.append((int(step), np.asarray(x)[:, L])))
+    out = run(
+        model,
+        inputs,
+        SETTINGS["entropy_s8"],
+        generation_tokens_hook_func=force_first_token,
+        progress=lambda step, x: progress.append((int(step), np.asarray(x)[:, L])),
+    )
     assert calls[0] is None and len(calls) == 2
     assert [step for step, _ in progress] == list(range(8)) and all((col == 7).all() for _, col in progress)
     history = np.asarray(out.history)
@@ -100,18 +117,32 @@ def test_prompt_masks_are_filled_like_the_full_canvas(model, data):
     ids[:, -3] = model.config.mask_token_id
     kwargs = dict(max_new_tokens=8, steps=4, alg="maskgit_plus", output_history=True)
     windowed = model.diffusion_generate(ids, inputs["attention_mask"], **kwargs)
-    full = model.diffusion_generate(ids, inputs["attention_mask"], generation_tokens_hook_func=lambda s, x, lg: x,
-                                    **kwargs)
+    full = model.diffusion_generate(
+        ids, inputs["attention_mask"], generation_tokens_hook_func=lambda s, x, lg: x, **kwargs
+    )
     np.testing.assert_array_equal(np.asarray(windowed.history), np.asarray(full.history))
     assert not (np.asarray(windowed.sequences) == model.config.mask_token_id).any()
 
 
-@pytest.mark.parametrize("kwargs", [dict(alg="origin"), dict(alg="maskgit_plus", temperature=0.7, top_p=0.9, top_k=20),
-                                    dict(alg="topk_margin", alg_temp=0.3)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(alg="origin"),
+        dict(alg="maskgit_plus", temperature=0.7, top_p=0.9, top_k=20),
+        dict(alg="topk_margin", alg_temp=0.3),
+    ],
+)
 def test_random_algorithms(model, data, kwargs):
     inputs, _ = data
-    gen = lambda seed: model.diffusion_generate(inputs["input_ids"], inputs["attention_mask"], max_new_tokens=16,
-                                                steps=8, rng=jax.random.key(seed), output_scores=True, **kwargs)
+    gen = lambda seed: model.diffusion_generate(
+        inputs["input_ids"],
+        inputs["attention_mask"],
+        max_new_tokens=16,
+        steps=8,
+        rng=jax.random.key(seed),
+        output_scores=True,
+        **kwargs,
+    )
     a, b, c = gen(0), gen(0), gen(1)
     L = inputs["input_ids"].shape[1]
     np.testing.assert_array_equal(np.asarray(a.sequences), np.asarray(b.sequences))
@@ -123,13 +154,19 @@ def test_random_algorithms(model, data, kwargs):
         assert np.asarray(a.n_transfer)[:, 0].tolist() == SETTINGS["entropy_s8"]["n_transfer_row0"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_length=40), r"max_length: the prompt has 42 tokens but max_length is 40"),
-    (dict(max_new_tokens=8, steps=9), r"steps: steps=9 must be between 1 and the number of new tokens \(8\)"),
-    (dict(max_new_tokens=8, steps=4, alg="greedy"), r"alg: unknown alg 'greedy'; choose one of origin, maskgit_plus"),
-    (dict(max_new_tokens=8, steps=4, top_p=1.5), r"top_p: must be in \(0, 1\]"),
-    (dict(max_new_tokens=8, steps=4, top_k=0), r"top_k: must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_length=40), r"max_length: the prompt has 42 tokens but max_length is 40"),
+        (dict(max_new_tokens=8, steps=9), r"steps: steps=9 must be between 1 and the number of new tokens \(8\)"),
+        (
+            dict(max_new_tokens=8, steps=4, alg="greedy"),
+            r"alg: unknown alg 'greedy'; choose one of origin, maskgit_plus",
+        ),
+        (dict(max_new_tokens=8, steps=4, top_p=1.5), r"top_p: must be in \(0, 1\]"),
+        (dict(max_new_tokens=8, steps=4, top_k=0), r"top_k: must be a positive integer"),
+    ],
+)
 def test_bad_generation_arguments(model, data, kwargs, message):
     inputs, _ = data
     with pytest.raises(JaxportError, match=message):
@@ -147,8 +184,9 @@ def test_bfloat16_generation():
     """bf16 runs end to end (upstream's bf16 sampler ties make token parity unrecordable, see case.json)."""
     model = dream.load(CASE.parent / "tiny_bf16" / "model", dtype="bfloat16")[0]
     inputs = np.load(CASE / "inputs.npz")
-    out = model.diffusion_generate(inputs["input_ids"], inputs["attention_mask"], max_new_tokens=16, steps=8,
-                                   alg="entropy", output_scores=True)
+    out = model.diffusion_generate(
+        inputs["input_ids"], inputs["attention_mask"], max_new_tokens=16, steps=8, alg="entropy", output_scores=True
+    )
     assert out.confidence.dtype == jnp.bfloat16
     assert not (np.asarray(out.sequences) == model.config.mask_token_id).any()
     np.testing.assert_array_equal(np.asarray(out.n_transfer)[:, 0], SETTINGS["entropy_s8"]["n_transfer_row0"])

@@ -49,20 +49,29 @@ def test_padded_logits_and_hidden_states(model, expected):
 
 def test_explicit_4d_mask_and_position_ids(model, expected):
     valid = expected["valid_positions"]
-    logits = model(expected["sampler_input_ids"], expected["sampler_attention_mask_4d"],
-                   position_ids=expected["sampler_position_ids"])
+    logits = model(
+        expected["sampler_input_ids"],
+        expected["sampler_attention_mask_4d"],
+        position_ids=expected["sampler_position_ids"],
+    )
     np.testing.assert_allclose(np.asarray(logits)[valid], expected["logits"][valid], **tolerance(SHARDED, "logits"))
     shifted = np.concatenate([np.asarray(logits)[:, :1], np.asarray(logits)[:, :-1]], axis=1)
-    np.testing.assert_allclose(shifted[valid], expected["logits_shifted"][valid],
-                               **tolerance(SHARDED, "logits_shifted"))
+    np.testing.assert_allclose(
+        shifted[valid], expected["logits_shifted"][valid], **tolerance(SHARDED, "logits_shifted")
+    )
 
 
 def test_unpadded_logits(model, expected):
     longest = expected["sampler_input_ids"][:1]
-    np.testing.assert_allclose(np.asarray(model(longest)), expected["logits_nopad"], **tolerance(SHARDED, "logits_nopad"))
+    np.testing.assert_allclose(
+        np.asarray(model(longest)), expected["logits_nopad"], **tolerance(SHARDED, "logits_nopad")
+    )
     # an all-ones mask means full attention with positions 0..N-1
-    np.testing.assert_allclose(np.asarray(model(longest, np.ones_like(longest))), expected["logits_nopad"],
-                               **tolerance(SHARDED, "logits_nopad"))
+    np.testing.assert_allclose(
+        np.asarray(model(longest, np.ones_like(longest))),
+        expected["logits_nopad"],
+        **tolerance(SHARDED, "logits_nopad"),
+    )
 
 
 def test_bfloat16_checkpoint():
@@ -72,27 +81,36 @@ def test_bfloat16_checkpoint():
     model_bf16, _ = dream.load(BF16 / "model", dtype="bfloat16")
     logits = model_bf16(ids, mask)
     assert logits.dtype == np.dtype("bfloat16")
-    np.testing.assert_allclose(np.asarray(logits, np.float32)[valid], expected["logits_bf16"][valid],
-                               **tolerance(BF16, "logits_bf16"))
+    np.testing.assert_allclose(
+        np.asarray(logits, np.float32)[valid], expected["logits_bf16"][valid], **tolerance(BF16, "logits_bf16")
+    )
     model_f32, _ = dream.load(BF16 / "model", dtype="float32")
-    np.testing.assert_allclose(np.asarray(model_f32(ids, mask))[valid], expected["logits_f32_same_weights"][valid],
-                               **tolerance(BF16, "logits_f32_same_weights"))
+    np.testing.assert_allclose(
+        np.asarray(model_f32(ids, mask))[valid],
+        expected["logits_f32_same_weights"][valid],
+        **tolerance(BF16, "logits_f32_same_weights"),
+    )
 
 
 def test_single_file_checkpoint(tmp_path, expected):
     """`model.safetensors` without an index (written by safetensors from the shards)."""
-    from safetensors.numpy import save_file
-    from jaxport.dream.params import checkpoint_files, SafetensorsFile
+    from safetensors.numpy import load_file, save_file
+
     model_dir = tmp_path / "single"
     shutil.copytree(SHARDED / "model", model_dir)
-    tensors = {name: np.asarray(SafetensorsFile(path).tensor(name)) for name, path in checkpoint_files(model_dir).items()}
+    tensors = {
+        name: t for shard in sorted(model_dir.glob("model-*.safetensors")) for name, t in load_file(shard).items()
+    }
     for f in model_dir.glob("model-*.safetensors"):
         f.unlink()
     (model_dir / "model.safetensors.index.json").unlink()
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     single, _ = dream.load(model_dir)
-    np.testing.assert_allclose(np.asarray(single(expected["sampler_input_ids"][:1])), expected["logits_nopad"],
-                               **tolerance(SHARDED, "logits_nopad"))
+    np.testing.assert_allclose(
+        np.asarray(single(expected["sampler_input_ids"][:1])),
+        expected["logits_nopad"],
+        **tolerance(SHARDED, "logits_nopad"),
+    )
 
 
 def copy_model(tmp_path) -> Path:
@@ -131,8 +149,11 @@ def test_not_a_dream_directory(tmp_path):
 def test_shape_that_does_not_fit_config(tmp_path):
     model_dir = copy_model(tmp_path)
     edit_config(model_dir, intermediate_size=96)
-    with pytest.raises(JaxportError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight has shape \[64, 128\] "
-                                           r"but config\.json implies \[64, 96\]"):
+    with pytest.raises(
+        JaxportError,
+        match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight has shape \[64, 128\] "
+        r"but config\.json implies \[64, 96\]",
+    ):
         dream.load(model_dir)
 
 

@@ -33,10 +33,12 @@ def with_mask_buffers(state_dict: dict, block_size: int) -> collections.OrderedD
     out = collections.OrderedDict()
     for key, value in state_dict.items():
         out[key] = value
-        if key.endswith("attn.c_proj.bias") or (key.endswith("attn.c_proj.weight") and
-                                                key.replace("weight", "bias") not in state_dict):
-            out[key.replace("c_proj.weight", "bias").replace("c_proj.bias", "bias")] = \
-                torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+        if key.endswith("attn.c_proj.bias") or (
+            key.endswith("attn.c_proj.weight") and key.replace("weight", "bias") not in state_dict
+        ):
+            out[key.replace("c_proj.weight", "bias").replace("c_proj.bias", "bias")] = torch.tril(
+                torch.ones(block_size, block_size)
+            ).view(1, 1, block_size, block_size)
     return out
 
 
@@ -55,6 +57,7 @@ def test_attention_mask_buffers_are_ignored_on_load(name, tmp_path):
     np.testing.assert_array_equal(np.asarray(plain(idx)[0]), np.asarray(masked(idx)[0]))
     # training resumes from it too (the loader train.py's --init_from=resume uses)
     from jaxport.gpt.model import load_checkpoint
+
     assert load_checkpoint(tmp_path / "ckpt.pt").iter_num == ckpt["iter_num"]
 
 
@@ -65,8 +68,10 @@ def layout(ckpt: dict) -> dict:
     return {
         "top_level_keys": list(ckpt),
         "types": {k: type(v).__name__ for k, v in ckpt.items()},
-        "model_state_dict": [{"key": k, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                             for k, v in ckpt["model"].items()],
+        "model_state_dict": [
+            {"key": k, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            for k, v in ckpt["model"].items()
+        ],
         "group_keys": [sorted(g) for g in groups],
         "group_params": [g["params"] for g in groups],
         "state_entries": len(ckpt["optimizer"]["state"]),
@@ -79,9 +84,11 @@ def recorded_layout(name: str) -> dict:
     recorded = case(name)["checkpoint_layout"]
     groups = recorded["optimizer_param_groups"]
     return {
-        "top_level_keys": recorded["top_level_keys"], "types": recorded["types"],
+        "top_level_keys": recorded["top_level_keys"],
+        "types": recorded["types"],
         "model_state_dict": recorded["model_state_dict"],
-        "group_keys": [sorted(g) for g in groups], "group_params": [g["params"] for g in groups],
+        "group_keys": [sorted(g) for g in groups],
+        "group_params": [g["params"] for g in groups],
         "state_entries": len(recorded["optimizer_state_index_to_param"]),
         "state_entry_keys": recorded["optimizer_state_entry_keys"],
         "best_val_loss": (0, torch.float32),  # "0-d torch.Tensor (float32) produced by losses.mean()"
@@ -105,9 +112,15 @@ def test_written_checkpoint_has_nanogpts_layout(name, tmp_path):
     each recorded configuration."""
     from jaxport.gpt import train as gpt_train
     from jaxport.gpt.train import write_nanogpt_checkpoint
+
     shutil.copy(FIXTURES / name / "ckpt.pt", tmp_path / "ckpt.pt")
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **case(name)["train_config"], "out_dir": str(tmp_path),
-           "init_from": "resume"}
+    cfg = {
+        **gpt_train.DEFAULTS,
+        **gpt_train.EXTRA,
+        **case(name)["train_config"],
+        "out_dir": str(tmp_path),
+        "init_from": "resume",
+    }
     trainer = gpt_train.Trainer(cfg, vocab_size=case(name)["model_args"]["vocab_size"])
     write_nanogpt_checkpoint(trainer, tmp_path / "out", trainer.iter_num, trainer.best_val_loss, 1e-3)
     ckpt = assert_written_like_nanogpt(tmp_path / "out" / "ckpt.pt", name)
@@ -129,9 +142,25 @@ def test_train_and_export_write_nanogpts_layout(tmp_path, monkeypatch):
     model_args = case(name)["model_args"]
     flags = [f"--{k}={v}" for k, v in model_args.items() if k != "vocab_size"]
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["gpt", "train", "--device=cpu", "--dataset=tinychar", "--out_dir=run", "--batch_size=2",
-                     "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", "--eval_iters=1",
-                     "--progress=False", *flags]) == 0
+    assert (
+        cli.main(
+            [
+                "gpt",
+                "train",
+                "--device=cpu",
+                "--dataset=tinychar",
+                "--out_dir=run",
+                "--batch_size=2",
+                "--gradient_accumulation_steps=1",
+                "--max_iters=2",
+                "--eval_interval=2",
+                "--eval_iters=1",
+                "--progress=False",
+                *flags,
+            ]
+        )
+        == 0
+    )
     trained = assert_written_like_nanogpt(tmp_path / "run" / "ckpt.pt", name)
     (tmp_path / "run" / "ckpt.pt").unlink()
     assert cli.main(["gpt", "export", "--out_dir=run"]) == 0

@@ -63,11 +63,13 @@ def test_gpt2_encoding_probes():
     e, probes = np.load(case_dir / "expected.npz"), np.load(case_dir / "inputs.npz")["probe_text"]
     enc = data.gpt2_encoding(TOKENIZER)
     assert enc.eot_token == int(e["eot_token"]) and enc.n_vocab == int(e["n_vocab"])
-    for kind, encode in (("ordinary", enc.encode_ordinary),
-                         ("special", lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}))):
+    for kind, encode in (
+        ("ordinary", enc.encode_ordinary),
+        ("special", lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})),
+    ):
         ids, off = e[f"probe_{kind}_ids"], e[f"probe_{kind}_offsets"]
         for k, text in enumerate(probes):
-            assert encode(str(text)) == ids[off[k]:off[k + 1]].tolist(), (kind, text)
+            assert encode(str(text)) == ids[off[k] : off[k + 1]].tolist(), (kind, text)
 
 
 def test_prepare_text_and_batches(tmp_path):
@@ -80,8 +82,8 @@ def test_prepare_text_and_batches(tmp_path):
     assert x.shape == y.shape == (2, 3, 8) and x.dtype == np.int32
     train = np.fromfile(tmp_path / "t" / "train.bin", dtype=np.uint16)
     for row_x, row_y in zip(x.reshape(-1, 8), y.reshape(-1, 8)):
-        start = next(i for i in range(len(train) - 8) if (train[i:i + 8] == row_x).all())
-        np.testing.assert_array_equal(train[start + 1:start + 9], row_y)
+        start = next(i for i in range(len(train) - 8) if (train[i : i + 8] == row_x).all())
+        np.testing.assert_array_equal(train[start + 1 : start + 9], row_y)
 
 
 def test_prepare_openwebtext_from_local_jsonl(tmp_path):
@@ -104,7 +106,9 @@ def test_prepare_openwebtext_from_local_jsonl(tmp_path):
 
 
 def test_bad_data_inputs(tmp_path):
-    with pytest.raises(JaxportError, match=r"data folder .*empty has no train.bin; create it with `jaxport gpt prepare"):
+    with pytest.raises(
+        JaxportError, match=r"data folder .*empty has no train.bin; create it with `jaxport gpt prepare"
+    ):
         (tmp_path / "empty").mkdir()
         data.Batches(tmp_path / "empty", 8, 2)
     with pytest.raises(JaxportError, match="input file not found: .*nope.txt"):

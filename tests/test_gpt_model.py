@@ -55,8 +55,9 @@ def last_logits(model, seqs, lengths):
     its last block_size ids). Causality lets one full-width forward serve every uncropped length."""
     T = model.config.block_size
     full = model(seqs[:, :T], seqs[:, :T])[0]
-    return np.stack([np.asarray(full[:, n - 1]) if n <= T else np.asarray(model(seqs[:, n - T:n])[0][:, 0])
-                     for n in lengths])
+    return np.stack(
+        [np.asarray(full[:, n - 1]) if n <= T else np.asarray(model(seqs[:, n - T : n])[0][:, 0]) for n in lengths]
+    )
 
 
 def test_greedy_generation_crosses_block_size(ckpt_case):
@@ -111,11 +112,11 @@ def test_generate_from_prompt_longer_than_block_size():
     c = load_case("nanogpt_ckpt")
     model = gpt.GPT.from_checkpoint(c.dir / "ckpt.pt")
     P, T = 40, model.config.block_size
-    prompt = np.concatenate([c.inputs["idx"][:2], c.inputs["idx_short"][:2, :P - T]], axis=1)
+    prompt = np.concatenate([c.inputs["idx"][:2], c.inputs["idx_short"][:2, : P - T]], axis=1)
     tokens = np.asarray(model.generate(prompt, 3, top_k=1))
     np.testing.assert_array_equal(tokens[:, :P], prompt)
     for i in range(3):  # each step sees only the last block_size ids
-        logits = model(tokens[:, P + i - T:P + i])[0][:, 0]
+        logits = model(tokens[:, P + i - T : P + i])[0][:, 0]
         np.testing.assert_array_equal(np.argmax(logits, -1), tokens[:, P + i])
 
 
@@ -127,13 +128,24 @@ def test_num_params_and_mfu(ckpt_case):
     mfu = [model.estimate_mfu(int(f), float(dt)) for f, dt in zip(x["mfu_fwdbwd_per_iter"], x["mfu_dt"])]
     np.testing.assert_allclose(mfu, e["mfu"], rtol=c.case["tolerances"]["mfu"]["rtol"], atol=0)
     # against another peak the ratio scales inversely
-    assert model.estimate_mfu(1, 1.0, peak_flops=989e12) == pytest.approx(mfu[0] / x["mfu_fwdbwd_per_iter"][0]
-                                                                          * x["mfu_dt"][0] * 312 / 989)
+    assert model.estimate_mfu(1, 1.0, peak_flops=989e12) == pytest.approx(
+        mfu[0] / x["mfu_fwdbwd_per_iter"][0] * x["mfu_dt"][0] * 312 / 989
+    )
 
 
-@pytest.mark.parametrize("kind, peak", [("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 80GB HBM3", 989e12),
-                                        ("NVIDIA H200", 989e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12),
-                                        ("TPU v5p", 459e12), ("TPU v6 lite", 918e12), ("cpu", None)])
+@pytest.mark.parametrize(
+    "kind, peak",
+    [
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H200", 989e12),
+        ("TPU v4", 275e12),
+        ("TPU v5 lite", 197e12),
+        ("TPU v5p", 459e12),
+        ("TPU v6 lite", 918e12),
+        ("cpu", None),
+    ],
+)
 def test_device_peak_flops(kind, peak):
     assert gpt.device_peak_flops(SimpleNamespace(device_kind=kind)) == (peak, kind)
 
@@ -143,8 +155,11 @@ def test_crop_block_size():
     model = gpt.GPT.from_checkpoint(c.dir)  # a folder holding ckpt.pt works too
     model.crop_block_size(16)
     assert model.config.block_size == 16 and model.wpe.shape == (16, 32)
-    close(model(c.inputs["idx_short"], c.inputs["targets_short"])[0], c.expected["logits_short"],
-          c.case["tolerances"]["logits_short"])
+    close(
+        model(c.inputs["idx_short"], c.inputs["targets_short"])[0],
+        c.expected["logits_short"],
+        c.case["tolerances"]["logits_short"],
+    )
     with pytest.raises(JaxportError, match="cannot forward a sequence of length 32: block_size is only 16"):
         model(c.inputs["idx"])
     with pytest.raises(JaxportError, match="block_size 64 is larger than the model's block_size 16"):
@@ -167,13 +182,16 @@ def test_dropout_only_with_rng():
 
 # -- Hugging Face GPT-2 ------------------------------------------------------------------------
 
+
 def _hf_reference_forward(weights, cfg, idx):
     """GPT-2 as HF computes it, in numpy: Conv1D x @ W + b, gelu_new (tanh) activation."""
     w = {k.removeprefix("transformer."): v.astype(np.float64) for k, v in weights.items()}
 
     def ln(x, p):
         mu = x.mean(-1, keepdims=True)
-        return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + cfg["layer_norm_epsilon"]) * w[p + ".weight"] + w[p + ".bias"]
+        return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + cfg["layer_norm_epsilon"]) * w[
+            p + ".weight"
+        ] + w[p + ".bias"]
 
     B, T = idx.shape
     H, C = cfg["n_head"], cfg["n_embd"]
@@ -187,7 +205,7 @@ def _hf_reference_forward(weights, cfg, idx):
         y = (a / a.sum(-1, keepdims=True)) @ v
         x = x + y.transpose(0, 2, 1, 3).reshape(B, T, C) @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
         h = ln(x, p + "ln_2") @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"]
-        h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
+        h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
         x = x + h @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
     return ln(x, "ln_f") @ w["wte.weight"].T
 
@@ -212,8 +230,11 @@ def test_from_pretrained_matches_nanogpt(hf_case, layout):
     # nanoGPT's exact-erf GELU is not HF's gelu_new: the logits differ by far more than the tolerance
     assert np.abs(np.asarray(logits) - e["hf_logits"]).max() > 10 * tol["hf_logits"]["atol"]
     close(model(x["idx"])[0], e["nanogpt_logits_last"], tol["nanogpt_logits_last"])
-    close(model(x["idx_full_context"], x["idx_full_context"])[0], e["nanogpt_logits_full_context"],
-          tol["nanogpt_logits_full_context"])
+    close(
+        model(x["idx_full_context"], x["idx_full_context"])[0],
+        e["nanogpt_logits_full_context"],
+        tol["nanogpt_logits_full_context"],
+    )
     n = e["nanogpt_gen_greedy"].shape[1] - x["prompt"].shape[1]
     tokens, step_logits = model.generate(x["prompt"], n, top_k=1, return_logits=True)
     np.testing.assert_array_equal(np.asarray(tokens), e["nanogpt_gen_greedy"])
@@ -223,13 +244,17 @@ def test_from_pretrained_matches_nanogpt(hf_case, layout):
 def test_hf_reference_logits_and_loss(hf_case):
     """The HF weights themselves (Conv1D layout, tanh GELU) give the recorded HF numbers."""
     from safetensors.numpy import load_file
+
     c, x, e, tol = hf_case, hf_case.inputs, hf_case.expected, hf_case.case["tolerances"]
     weights = load_file(c.dir / "hf" / "model.safetensors")
     cfg = json.loads((c.dir / "hf" / "config.json").read_text())
     logits = _hf_reference_forward(weights, cfg, x["idx"])
     close(logits, e["hf_logits"], tol["hf_logits"])
-    close(_hf_reference_forward(weights, cfg, x["idx_full_context"]), e["hf_logits_full_context"],
-          tol["hf_logits_full_context"])
+    close(
+        _hf_reference_forward(weights, cfg, x["idx_full_context"]),
+        e["hf_logits_full_context"],
+        tol["hf_logits_full_context"],
+    )
     logp = logits[:, :-1] - np.log(np.exp(logits[:, :-1]).sum(-1, keepdims=True))
     loss = -np.take_along_axis(logp, x["idx"][:, 1:, None], -1).mean()
     close(loss, e["hf_loss_shifted_labels"], tol["hf_loss_shifted_labels"])

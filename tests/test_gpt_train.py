@@ -66,8 +66,7 @@ def test_resume_two_iterations_match_nanogpt(resumed):
     state = ckpt["optimizer"]["state"]
     for i, name in enumerate(order):
         np.testing.assert_allclose(state[i]["exp_avg"], e[f"exp_avg/{name}"], err_msg=name, **tol["exp_avg/*"])
-        np.testing.assert_allclose(state[i]["exp_avg_sq"], e[f"exp_avg_sq/{name}"], err_msg=name,
-                                   **tol["exp_avg_sq/*"])
+        np.testing.assert_allclose(state[i]["exp_avg_sq"], e[f"exp_avg_sq/{name}"], err_msg=name, **tol["exp_avg_sq/*"])
         assert state[i]["step"] == e["step"]
 
 
@@ -98,8 +97,9 @@ def test_written_checkpoint_loads_in_torch_adamw(resumed, tmp_path):
     params = {n: torch.nn.Parameter(loaded["model"][n].clone()) for n in order}
     decay = [params[n] for n in order if params[n].dim() >= 2]
     nodecay = [params[n] for n in order if params[n].dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.99)
+    )
     opt.load_state_dict(loaded["optimizer"])
     for p in params.values():
         p.grad = torch.ones_like(p)
@@ -110,29 +110,34 @@ def test_written_checkpoint_loads_in_torch_adamw(resumed, tmp_path):
 def test_float16_dynamic_loss_scaling(tmp_path, monkeypatch):
     """float16 as nanoGPT's GradScaler: overflowing steps are skipped and halve the scale."""
     import jax.numpy as jnp
+
     shutil.copy(CASE / "ckpt.pt", tmp_path / "ckpt.pt")
     _, cfg = resume_config(tmp_path)
     x = np.load(CASE / "inputs.npz")
     monkeypatch.setattr(gpt_train, "compute_dtype", lambda dtype, platform: jnp.float16)
     trainer = gpt_train.Trainer({**cfg, "dtype": "float16"}, vocab_size=59)
-    assert float(trainer.loss_scale[0]) == 2.0 ** 16
+    assert float(trainer.loss_scale[0]) == 2.0**16
     before = np.asarray(trainer.params["wte"])
-    trainer.loss_scale = (jnp.float32(2.0 ** 120), jnp.int32(5))  # (scale, finite steps in a row)  # overflows float16 activations' gradients
+    trainer.loss_scale = (
+        jnp.float32(2.0**120),
+        jnp.int32(5),
+    )  # (scale, finite steps in a row)  # overflows float16 activations' gradients
     _, norm = trainer.step(x["train_x"][0], x["train_y"][0], 1e-3)
     assert not np.isfinite(float(norm))
     np.testing.assert_array_equal(np.asarray(trainer.params["wte"]), before)
-    assert float(trainer.loss_scale[0]) == 2.0 ** 119 and int(trainer.loss_scale[1]) == 0
-    trainer.loss_scale = (jnp.float32(2.0 ** 16), jnp.int32(gpt_train.LOSS_SCALE_GROWTH_INTERVAL - 1))
+    assert float(trainer.loss_scale[0]) == 2.0**119 and int(trainer.loss_scale[1]) == 0
+    trainer.loss_scale = (jnp.float32(2.0**16), jnp.int32(gpt_train.LOSS_SCALE_GROWTH_INTERVAL - 1))
     losses, norm = trainer.step(x["train_x"][0], x["train_y"][0], 1e-3)
     e = np.load(CASE / "expected.npz")
     np.testing.assert_allclose(np.asarray(losses), e["micro_loss"][0], rtol=5e-3)  # float16 compute, same batch
     np.testing.assert_allclose(float(norm), e["grad_norm"][0], rtol=2e-2)
     assert not np.array_equal(np.asarray(trainer.params["wte"]), before)
-    assert float(trainer.loss_scale[0]) == 2.0 ** 17 and int(trainer.loss_scale[1]) == 0  # grown
+    assert float(trainer.loss_scale[0]) == 2.0**17 and int(trainer.loss_scale[1]) == 0  # grown
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(tmp_path, monkeypatch):
     import jax.numpy as jnp
+
     shutil.copy(CASE / "ckpt.pt", tmp_path / "ckpt.pt")
     _, cfg = resume_config(tmp_path)
     x, e = np.load(CASE / "inputs.npz"), np.load(CASE / "expected.npz")
@@ -164,7 +169,8 @@ DP_SCRIPT = textwrap.dedent("""
             losses, norm = trainer.step(X, Y, 1e-3)
         wte = trainer.params["h"][0]["mlp"]["c_fc"]["weight"]
         results.update({f"losses_{name}": np.asarray(losses), f"norm_{name}": float(norm),
-                        f"w_{name}": np.asarray(wte), f"wshards_{name}": len({str(s.index) for s in wte.addressable_shards}),
+                        f"w_{name}": np.asarray(wte),
+                        f"wshards_{name}": len({str(s.index) for s in wte.addressable_shards}),
                         f"shards_{name}": len(trainer._shard(X)[0].sharding.device_set),
                         f"compiles_{name}": trainer._step._cache_size()})
     np.savez(out + "/result.npz", **results)
@@ -187,8 +193,9 @@ DP_SCRIPT = textwrap.dedent("""
 
 def test_data_parallel_and_fsdp_on_8_devices_equal_1_device(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", DP_SCRIPT, str(CASE), str(tmp_path)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", DP_SCRIPT, str(CASE), str(tmp_path)], env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = np.load(tmp_path / "result.npz")
     assert "tokens per iteration will be: 512" in proc.stdout  # 8 accumulation steps x 2 rows x 32 ids
@@ -235,17 +242,30 @@ MULTIHOST_SCRIPT = textwrap.dedent("""
 def test_two_processes_reproduce_nanogpt_resume(tmp_path):
     """2 processes x 2 CPU devices (jax.distributed over localhost), each loading half the rows."""
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     shutil.copy(CASE / "ckpt.pt", tmp_path / "ckpt.pt")
     procs = []
     for pid in range(2):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-               "JAXPORT_COORDINATOR": f"127.0.0.1:{port}", "JAXPORT_NUM_PROCESSES": "2",
-               "JAXPORT_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, "-c", MULTIHOST_SCRIPT, str(CASE), str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu",
+            "JAXPORT_COORDINATOR": f"127.0.0.1:{port}",
+            "JAXPORT_NUM_PROCESSES": "2",
+            "JAXPORT_PROCESS_ID": str(pid),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", MULTIHOST_SCRIPT, str(CASE), str(tmp_path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for proc in procs:
         _, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-3000:]

@@ -8,8 +8,19 @@ import torch
 import torch.nn.functional as F
 from flax import nnx
 
-from jaxport.nn import (Attention, Linear, RMSNorm, SwiGLU, apply_rotary, dot_product_attention, dropout, rms_norm,
-                        rotary_cos_sin, swiglu_intermediate_size, truncated_normal)
+from jaxport.nn import (
+    Attention,
+    Linear,
+    RMSNorm,
+    SwiGLU,
+    apply_rotary,
+    dot_product_attention,
+    dropout,
+    rms_norm,
+    rotary_cos_sin,
+    swiglu_intermediate_size,
+    truncated_normal,
+)
 
 rng = np.random.default_rng(0)
 
@@ -44,7 +55,7 @@ def test_rotary_rotates_halves():
     freqs = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], -1)
     tq = torch.tensor(q)
-    rot = torch.cat([-tq[..., D // 2:], tq[..., : D // 2]], -1)
+    rot = torch.cat([-tq[..., D // 2 :], tq[..., : D // 2]], -1)
     want = tq * emb.cos()[:, None] + rot * emb.sin()[:, None]
     np.testing.assert_allclose(apply_rotary(jnp.asarray(q), cos, sin), want.numpy(), atol=1e-5)
 
@@ -123,6 +134,7 @@ def test_causal_attention_in_blocks_equals_the_full_product(rate, monkeypatch):
     """GPT's causal self-attention skips fully masked key blocks; the result (dropout mask included) is the
     full [S, S] computation's bit for bit."""
     from jaxport.nn import attention
+
     q, k, v = (jnp.asarray(rng.normal(size=(2, 256, 3, 16)), jnp.float32) for _ in range(3))
     key = jax.random.key(5) if rate else None
     blocked = dot_product_attention(q, k, v, causal=True, dropout_rate=rate, dropout_rng=key)
@@ -133,6 +145,7 @@ def test_causal_attention_in_blocks_equals_the_full_product(rate, monkeypatch):
 
 def test_dropout_masks_are_independent_across_positions_and_keys():
     import importlib
+
     keep_mask = importlib.import_module("jaxport.nn.dropout").keep_mask
     a = np.asarray(keep_mask((1000, 1000), 0.25, jax.random.key(0)))
     b = np.asarray(keep_mask((1000, 1000), 0.25, jax.random.key(1)))

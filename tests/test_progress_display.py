@@ -38,10 +38,24 @@ def test_a_disabled_log_writes_nothing(tmp_path):
     assert log.close() is None and not (tmp_path / "run").exists()
 
 
-TINY = ["arch.mlp_t=True", "arch.pos_encodings=none", "arch.hidden_size=32", "arch.num_heads=2", "arch.H_cycles=1",
-        "arch.L_cycles=1", "arch.L_layers=1", "arch.puzzle_emb_len=1", "arch.forward_dtype=float32",
-        "global_batch_size=16", "lr=1e-3", "lr_warmup_steps=2", "evaluators=[]", "epochs=20", "eval_interval=10",
-        "seed=3"]
+TINY = [
+    "arch.mlp_t=True",
+    "arch.pos_encodings=none",
+    "arch.hidden_size=32",
+    "arch.num_heads=2",
+    "arch.H_cycles=1",
+    "arch.L_cycles=1",
+    "arch.L_layers=1",
+    "arch.puzzle_emb_len=1",
+    "arch.forward_dtype=float32",
+    "global_batch_size=16",
+    "lr=1e-3",
+    "lr_warmup_steps=2",
+    "evaluators=[]",
+    "epochs=20",
+    "eval_interval=10",
+    "seed=3",
+]
 
 
 def test_trm_steps_where_no_row_halted_log_null(tmp_path):
@@ -50,13 +64,42 @@ def test_trm_steps_where_no_row_halted_log_null(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     jaxport = [sys.executable, "-m", "jaxport.cli", "trm"]
     data, run = tmp_path / "sudoku", tmp_path / "run"
-    built = subprocess.run([*jaxport, "build", "sudoku", "--generate", "--num-train", "32", "--num-test", "16",
-                            "--givens", "60", "--output-dir", str(data)], env=env, capture_output=True, text=True)
+    built = subprocess.run(
+        [
+            *jaxport,
+            "build",
+            "sudoku",
+            "--generate",
+            "--num-train",
+            "32",
+            "--num-test",
+            "16",
+            "--givens",
+            "60",
+            "--output-dir",
+            str(data),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     shutil.rmtree(data / "test")  # no evaluation: training steps only
-    trained = subprocess.run([*jaxport, "train", *TINY, "arch.halt_max_steps=4", "arch.halt_exploration_prob=0",
-                              f"data_paths=[{data}]", f"checkpoint_path={run}", "max_steps=8"],
-                             env=env, capture_output=True, text=True)
+    trained = subprocess.run(
+        [
+            *jaxport,
+            "train",
+            *TINY,
+            "arch.halt_max_steps=4",
+            "arch.halt_exploration_prob=0",
+            f"data_paths=[{data}]",
+            f"checkpoint_path={run}",
+            "max_steps=8",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert trained.returncode == 0, trained.stderr[-2000:]
     steps = train_rows(run)
     assert sorted(steps) == list(range(1, 9))

@@ -9,8 +9,16 @@ import numpy as np
 import optax
 import pytest
 
-from jaxport.training import (adam_atan2, compute_lr, cosine_schedule_with_warmup_lr_lambda, ema_copy, ema_init,
-                              ema_update, sparse_sign_sgd_update, warmup_cosine_schedule)
+from jaxport.training import (
+    adam_atan2,
+    compute_lr,
+    cosine_schedule_with_warmup_lr_lambda,
+    ema_copy,
+    ema_init,
+    ema_update,
+    sparse_sign_sgd_update,
+    warmup_cosine_schedule,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trm"
 CASES = ["att_rope_f32", "mlp_t_f32", "att_learned_bf16"]
@@ -20,6 +28,7 @@ ADAM_CASES = ["att_rope_f32", "mlp_t_f32"]
 def load(case):
     """expected.npz arrays, plus the checkpoint tensors under `checkpoint/<upstream key>`."""
     from jaxport.checkpoint import load_torch_file
+
     with np.load(FIXTURES / case / "expected.npz") as f:
         arrays = {k: f[k] for k in f.files}
     checkpoint = load_torch_file(FIXTURES / case / "step_0")
@@ -70,9 +79,13 @@ def test_sparse_sign_sgd_matches_upstream(case):
     e = load(case)
     ids = e["signsgd/local_ids"]
     assert len(set(ids.tolist())) < len(ids)  # the recorded batch has duplicate ids
-    new = jax.jit(sparse_sign_sgd_update)(jnp.asarray(e["signsgd/weights_before"]), jnp.asarray(ids),
-                                          jnp.asarray(e["signsgd/local_weights_grad"]),
-                                          float(e["signsgd/lr"]), float(e["signsgd/weight_decay"]))
+    new = jax.jit(sparse_sign_sgd_update)(
+        jnp.asarray(e["signsgd/weights_before"]),
+        jnp.asarray(ids),
+        jnp.asarray(e["signsgd/local_weights_grad"]),
+        float(e["signsgd/lr"]),
+        float(e["signsgd/weight_decay"]),
+    )
     close(new, e["signsgd/weights_after"], atol=1e-7, rtol=1e-6)
 
 
@@ -101,12 +114,17 @@ def test_lr_grids(case):
         got = [cosine_schedule_with_warmup_lr_lambda(int(s), **kw) for s in e["lr/grid_steps"]]
         np.testing.assert_allclose(got, e[f"lr/grid_{name}"], rtol=1e-12, atol=0)
         # the jit-able schedule gives the same curve (float32), shifted by one update
-        sched = warmup_cosine_schedule(kw["base_lr"], num_warmup_steps=kw["num_warmup_steps"],
-                                       num_training_steps=kw["num_training_steps"], min_ratio=kw["min_ratio"],
-                                       num_cycles=kw.get("num_cycles", 0.5))
+        sched = warmup_cosine_schedule(
+            kw["base_lr"],
+            num_warmup_steps=kw["num_warmup_steps"],
+            num_training_steps=kw["num_training_steps"],
+            min_ratio=kw["min_ratio"],
+            num_cycles=kw.get("num_cycles", 0.5),
+        )
         steps = e["lr/grid_steps"][1:]
-        np.testing.assert_allclose(np.asarray(sched(jnp.asarray(steps - 1))), e[f"lr/grid_{name}"][1:],
-                                   rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(
+            np.asarray(sched(jnp.asarray(steps - 1))), e[f"lr/grid_{name}"][1:], rtol=1e-5, atol=1e-9
+        )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -114,8 +132,10 @@ def test_compute_lr_with_case_config(case):
     e = load(case)
     total = int(e["lr/config_total_steps"])
     for key, base in (("config_lr", 1e-4), ("config_puzzle_emb_lr", 1e-2)):
-        got = [compute_lr(base, step=int(s), total_steps=total, lr_warmup_steps=2000, lr_min_ratio=1.0)
-               for s in e["lr/config_steps"]]
+        got = [
+            compute_lr(base, step=int(s), total_steps=total, lr_warmup_steps=2000, lr_min_ratio=1.0)
+            for s in e["lr/config_steps"]
+        ]
         np.testing.assert_allclose(got, e[f"lr/{key}"], rtol=1e-12, atol=0)
 
 
@@ -136,8 +156,10 @@ def test_ema_with_frozen_parameter(case):
             if trainable[n]:
                 close(shadow[n], e[f"ema/update{u}/shadow/{n}"], atol=1e-7, rtol=1e-6)
                 close(shadow_jit[n], e[f"ema/update{u}/shadow/{n}"], atol=1e-7, rtol=1e-6)
-    for evaluated in (ema_copy(shadow, params, trainable),
-                      jax.jit(ema_copy)(shadow_jit, params, {n: jnp.array(t) for n, t in trainable.items()})):
+    for evaluated in (
+        ema_copy(shadow, params, trainable),
+        jax.jit(ema_copy)(shadow_jit, params, {n: jnp.array(t) for n, t in trainable.items()}),
+    ):
         for n in names:
             close(evaluated[n], e[f"ema/ema_copy/{n}"], atol=1e-7, rtol=1e-6)
         assert not np.allclose(evaluated["1.bias"], e["ema/init/1.bias"])  # frozen: current value, not the start
@@ -167,6 +189,7 @@ def test_sparse_sign_sgd_with_batch_sharded_over_8_devices():
     import os
     import subprocess
     import sys
+
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "-c", SHARDED_SIGN_SGD], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

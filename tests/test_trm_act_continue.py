@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
+from trm_fixtures import FIXTURES, arrays
 
 from jaxport import trm
-from trm_fixtures import FIXTURES, arrays
 
 
 def test_act_continue_targets_next_step(tmp_path):
@@ -42,5 +42,6 @@ def test_act_continue_targets_next_step(tmp_path):
         np.testing.assert_allclose(outputs["target_q_continue"], target, atol=1e-5)
         q_continue_loss = optax.sigmoid_binary_cross_entropy(outputs["q_continue_logits"], target).sum()
         np.testing.assert_allclose(metrics["q_continue_loss"], q_continue_loss, rtol=1e-5)
-        np.testing.assert_allclose(loss, metrics["lm_loss"] + 0.5 * (metrics["q_halt_loss"] + q_continue_loss),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            loss, metrics["lm_loss"] + 0.5 * (metrics["q_halt_loss"] + q_continue_loss), rtol=1e-5
+        )

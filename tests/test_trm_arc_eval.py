@@ -75,7 +75,7 @@ def reference_crop(seq):
                 break
         if rows * width > best:
             best, size = rows * width, (rows, width)
-    return (grid[:size[0], :size[1]] - 2).astype(np.uint8)
+    return (grid[: size[0], : size[1]] - 2).astype(np.uint8)
 
 
 def test_crop_matches_the_scan(recorded):
@@ -100,8 +100,10 @@ def test_missing_files_and_outputs(tmp_path, recorded):
     evaluator = ARCEvaluator(ROOT / "arc")
     inputs, _ = recorded
     with pytest.raises(JaxportError, match="needs q_halt_logits"):
-        evaluator.update_batch({k: inputs[f"arc_eval/b0/{k}"] for k in ("inputs", "puzzle_identifiers")},
-                               {"preds": inputs["arc_eval/b0/preds"]})
+        evaluator.update_batch(
+            {k: inputs[f"arc_eval/b0/{k}"] for k in ("inputs", "puzzle_identifiers")},
+            {"preds": inputs["arc_eval/b0/preds"]},
+        )
 
 
 def test_identifier_from_another_dataset(recorded):
@@ -109,5 +111,6 @@ def test_identifier_from_another_dataset(recorded):
     batch = {k: inputs[f"arc_eval/b0/{k}"].copy() for k in ("inputs", "puzzle_identifiers")}
     batch["puzzle_identifiers"][0] = 999
     with pytest.raises(JaxportError, match="puzzle identifier 999 is not in identifiers.json"):
-        ARCEvaluator(ROOT / "arc").update_batch(batch, {"preds": inputs["arc_eval/b0/preds"],
-                                                        "q_halt_logits": inputs["arc_eval/b0/q_halt_logits"]})
+        ARCEvaluator(ROOT / "arc").update_batch(
+            batch, {"preds": inputs["arc_eval/b0/preds"], "q_halt_logits": inputs["arc_eval/b0/q_halt_logits"]}
+        )

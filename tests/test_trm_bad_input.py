@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 import yaml
+from trm_fixtures import FIXTURES
 
 from jaxport import trm
 from jaxport.errors import JaxportError
-from trm_fixtures import FIXTURES
 
 CASE = FIXTURES / "att_rope_f32"
 
@@ -49,7 +49,7 @@ def test_truncated_checkpoint(run_dir):
 
 def test_corrupt_checkpoint(run_dir):
     data = bytearray((run_dir / "step_0").read_bytes())
-    data[len(data) // 3: len(data) // 3 + 4096] = bytes(4096)  # damage tensor data, keep the zip directory
+    data[len(data) // 3 : len(data) // 3 + 4096] = bytes(4096)  # damage tensor data, keep the zip directory
     (run_dir / "step_0").write_bytes(bytes(data))
     with pytest.raises(JaxportError, match=r"corrupt or truncated.*step_0"):
         load(run_dir)
@@ -63,23 +63,32 @@ def test_not_a_checkpoint(run_dir):
 
 def test_checkpoint_of_another_architecture(run_dir):
     edit_config(run_dir, mlp_t=True)
-    with pytest.raises(JaxportError, match=r"step_0 does not fit the config.*mlp_t=True.*missing "
-                                           r"L_level.layers.0.mlp_t.gate_up_proj.weight.*unexpected "
-                                           r"L_level.layers.0.self_attn.qkv_proj.weight"):
+    with pytest.raises(
+        JaxportError,
+        match=r"step_0 does not fit the config.*mlp_t=True.*missing "
+        r"L_level.layers.0.mlp_t.gate_up_proj.weight.*unexpected "
+        r"L_level.layers.0.self_attn.qkv_proj.weight",
+    ):
         load(run_dir)
 
 
 def test_checkpoint_shape_does_not_fit_config(run_dir):
     edit_config(run_dir, expansion=8)
-    with pytest.raises(JaxportError, match=r"step_0: tensor L_level.layers.0.mlp.gate_up_proj.weight has shape "
-                                           r"\[512, 64\], but the config needs \[1024, 64\]"):
+    with pytest.raises(
+        JaxportError,
+        match=r"step_0: tensor L_level.layers.0.mlp.gate_up_proj.weight has shape "
+        r"\[512, 64\], but the config needs \[1024, 64\]",
+    ):
         load(run_dir)
 
 
 def test_unknown_config_key_lists_close_matches(run_dir):
     edit_config(run_dir, hiden_size=64)
-    with pytest.raises(JaxportError, match=r"unknown TRM config key 'hiden_size' in .*all_config.yaml; "
-                                           r"did you mean hidden_size"):
+    with pytest.raises(
+        JaxportError,
+        match=r"unknown TRM config key 'hiden_size' in .*all_config.yaml; "
+        r"did you mean hidden_size",
+    ):
         load(run_dir)
 
 

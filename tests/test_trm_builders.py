@@ -27,32 +27,60 @@ def assert_same_tree(expected: Path, actual: Path):
 
 def test_sudoku_matches_upstream_build(tmp_path):
     # upstream: np.random.seed(0); build_sudoku_dataset.py --subsample-size 12 --num-aug 2
-    sudoku.main(["--source-dir", str(SOURCES / "sudoku"), "--output-dir", str(tmp_path / "sudoku"),
-                 "--subsample-size", "12", "--num-aug", "2", "--seed", "0"])
+    sudoku.main(
+        [
+            "--source-dir",
+            str(SOURCES / "sudoku"),
+            "--output-dir",
+            str(tmp_path / "sudoku"),
+            "--subsample-size",
+            "12",
+            "--num-aug",
+            "2",
+            "--seed",
+            "0",
+        ]
+    )
     assert_same_tree(ROOT / "sudoku", tmp_path / "sudoku")
 
 
 def test_maze_matches_upstream_build(tmp_path):
     # upstream: np.random.seed(0); build_maze_dataset.py --subsample-size 4 --aug
-    maze.main(["--source-dir", str(SOURCES / "maze"), "--output-dir", str(tmp_path / "maze"),
-               "--subsample-size", "4", "--aug", "--seed", "0"])
+    maze.main(
+        [
+            "--source-dir",
+            str(SOURCES / "maze"),
+            "--output-dir",
+            str(tmp_path / "maze"),
+            "--subsample-size",
+            "4",
+            "--aug",
+            "--seed",
+            "0",
+        ]
+    )
     assert_same_tree(ROOT / "maze", tmp_path / "maze")
 
 
-@pytest.mark.parametrize("builder, repo, args", [
-    (sudoku, "sapientinc/sudoku-extreme", ["--subsample-size", "12", "--num-aug", "2", "--seed", "0"]),
-    (maze, "sapientinc/maze-30x30-hard-1k", ["--subsample-size", "4", "--aug", "--seed", "0"]),
-])
+@pytest.mark.parametrize(
+    "builder, repo, args",
+    [
+        (sudoku, "sapientinc/sudoku-extreme", ["--subsample-size", "12", "--num-aug", "2", "--seed", "0"]),
+        (maze, "sapientinc/maze-30x30-hard-1k", ["--subsample-size", "4", "--aug", "--seed", "0"]),
+    ],
+)
 def test_default_source_is_upstreams_hugging_face_dataset(builder, repo, args, tmp_path, monkeypatch):
     """Without --source-dir the CSVs come from upstream's Hugging Face dataset; the download is
     served here from the local copies of those files."""
     import huggingface_hub
+
     name = builder.__name__.rsplit(".", 1)[-1]
     requests = []
 
     def download(repo_id, filename, repo_type=None):
         requests.append((repo_id, filename, repo_type))
         return str(SOURCES / name / filename)
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     builder.main(["--output-dir", str(tmp_path / name), *args])
     assert requests == [(repo, "train.csv", "dataset"), (repo, "test.csv", "dataset")]
@@ -65,14 +93,30 @@ def test_download_failure_names_the_dataset_and_the_offline_option(tmp_path, mon
 
     def offline(repo_id, filename, repo_type=None):
         raise LocalEntryNotFoundError("no network")
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with pytest.raises(JaxportError, match="train.csv of the Hugging Face dataset sapientinc/sudoku-extreme.*--source-dir"):
+    with pytest.raises(
+        JaxportError, match="train.csv of the Hugging Face dataset sapientinc/sudoku-extreme.*--source-dir"
+    ):
         sudoku.main(["--output-dir", str(tmp_path / "o")])
 
 
 def test_arc_matches_upstream_build(tmp_path):
-    arc.main(["--input-file-prefix", str(SOURCES / "arc" / "arc-agi"), "--output-dir", str(tmp_path / "arc"),
-              "--subsets", "training", "evaluation", "--test-set-name", "evaluation", "--num-aug", "3"])
+    arc.main(
+        [
+            "--input-file-prefix",
+            str(SOURCES / "arc" / "arc-agi"),
+            "--output-dir",
+            str(tmp_path / "arc"),
+            "--subsets",
+            "training",
+            "evaluation",
+            "--test-set-name",
+            "evaluation",
+            "--num-aug",
+            "3",
+        ]
+    )
     assert_same_tree(ROOT / "arc", tmp_path / "arc")
 
 
@@ -92,13 +136,28 @@ def assert_valid_solution(grid):
     for i in range(9):
         assert set(grid[i]) == digits and set(grid[:, i]) == digits
         r, c = 3 * (i // 3), 3 * (i % 3)
-        assert set(grid[r:r + 3, c:c + 3].reshape(-1)) == digits
+        assert set(grid[r : r + 3, c : c + 3].reshape(-1)) == digits
 
 
 def test_generated_sudoku_dataset(tmp_path):
     out = tmp_path / "gen"
-    sudoku.main(["--generate", "--output-dir", str(out), "--num-train", "6", "--num-test", "3", "--givens", "28",
-                 "--num-aug", "1", "--seed", "5"])
+    sudoku.main(
+        [
+            "--generate",
+            "--output-dir",
+            str(out),
+            "--num-train",
+            "6",
+            "--num-test",
+            "3",
+            "--givens",
+            "28",
+            "--num-aug",
+            "1",
+            "--seed",
+            "5",
+        ]
+    )
     train = np.load(out / "train" / "all__inputs.npy")
     assert train.shape == (12, 81)
     for split in ("train", "test"):
@@ -113,8 +172,23 @@ def test_generated_sudoku_dataset(tmp_path):
     ds = PuzzleDataset([out], "test", global_batch_size=4, test_set_mode=True)
     assert ds.metadata.total_puzzles == 3 and ds.metadata.vocab_size == 11
     # the same seed builds the same dataset
-    sudoku.main(["--generate", "--output-dir", str(tmp_path / "again"), "--num-train", "6", "--num-test", "3",
-                 "--givens", "28", "--num-aug", "1", "--seed", "5"])
+    sudoku.main(
+        [
+            "--generate",
+            "--output-dir",
+            str(tmp_path / "again"),
+            "--num-train",
+            "6",
+            "--num-test",
+            "3",
+            "--givens",
+            "28",
+            "--num-aug",
+            "1",
+            "--seed",
+            "5",
+        ]
+    )
     assert_same_tree(out, tmp_path / "again")
 
 
@@ -130,7 +204,9 @@ def test_dihedral_inverse_roundtrip():
     grid = np.arange(12).reshape(3, 4)
     for tid in range(8):
         np.testing.assert_array_equal(inverse_dihedral_transform(dihedral_transform(grid, tid), tid), grid)
-    assert len({dihedral_transform(grid, t).tobytes() + bytes(dihedral_transform(grid, t).shape) for t in range(8)}) == 8
+    assert (
+        len({dihedral_transform(grid, t).tobytes() + bytes(dihedral_transform(grid, t).shape) for t in range(8)}) == 8
+    )
 
 
 def test_arc_augmentation_inverts():
@@ -158,13 +234,25 @@ def test_builder_errors(tmp_path):
     with pytest.raises(JaxportError, match=r"row 2: question has characters outside"):
         maze.main(["--source-dir", str(bad), "--output-dir", str(tmp_path / "o")])
     with pytest.raises(JaxportError, match="ARC file not found: .*nothing_training_challenges.json"):
-        arc.main(["--input-file-prefix", str(tmp_path / "nothing"), "--output-dir", str(tmp_path / "o"),
-                  "--subsets", "training", "--test-set-name", "evaluation"])
+        arc.main(
+            [
+                "--input-file-prefix",
+                str(tmp_path / "nothing"),
+                "--output-dir",
+                str(tmp_path / "o"),
+                "--subsets",
+                "training",
+                "--test-set-name",
+                "evaluation",
+            ]
+        )
 
 
 def test_builders_register_as_subcommands(tmp_path):
     import argparse
+
     from jaxport.trm.build import BUILDERS
+
     top = argparse.ArgumentParser(prog="jaxport trm build")
     subs = top.add_subparsers(dest="dataset", required=True)
     for name, (make_parser, build) in BUILDERS.items():

@@ -25,10 +25,16 @@ def expected():
 def make(name, split, **overrides):
     cfg = dict(CASE["loader"][name][split]["config"])
     cfg.update(overrides)
-    return PuzzleDataset([ROOT / name], "test" if cfg["test_set_mode"] else "train",
-                         global_batch_size=cfg["global_batch_size"], test_set_mode=cfg["test_set_mode"],
-                         epochs_per_iter=cfg["epochs_per_iter"], seed=cfg["seed"], rank=cfg.get("rank", 0),
-                         num_replicas=cfg.get("num_replicas", 1))
+    return PuzzleDataset(
+        [ROOT / name],
+        "test" if cfg["test_set_mode"] else "train",
+        global_batch_size=cfg["global_batch_size"],
+        test_set_mode=cfg["test_set_mode"],
+        epochs_per_iter=cfg["epochs_per_iter"],
+        seed=cfg["seed"],
+        rank=cfg.get("rank", 0),
+        num_replicas=cfg.get("num_replicas", 1),
+    )
 
 
 @pytest.mark.parametrize("name", ["sudoku", "arc", "maze"])

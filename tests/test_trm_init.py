@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from trm_fixtures import MODEL_CASES, case
 
 from jaxport import trm
 from jaxport.trm.params import COMPILED_PREFIX
-from trm_fixtures import MODEL_CASES, case
 
 CONSTANT = {"model.inner.q_head.weight": 0.0, "model.inner.q_head.bias": -5.0, "model.inner.puzzle_emb.weights": 0.0}
 STANDARD_ERRORS = 5  # how far a sample mean/std may stray from the rule's value

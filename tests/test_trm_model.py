@@ -6,14 +6,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from trm_fixtures import (
+    BATCH_KEYS,
+    FIXTURES,
+    MODEL_CASES,
+    NUM_DEVICES,
+    accuracy_tol,
+    arrays,
+    batch,
+    case,
+    check_call,
+    close,
+    loss_tol,
+    per_group,
+)
 
 from jaxport import trm
 from jaxport.errors import JaxportError
 from jaxport.trm.evaluate import evaluate, reduce_train_metrics, run_to_halt
 from jaxport.trm.model import loss_and_grad
-from trm_fixtures import (BATCH_KEYS, FIXTURES, MODEL_CASES, NUM_DEVICES, accuracy_tol, arrays, batch, case,
-                          check_call, close, loss_tol, per_group)
-
 
 # Each case as recorded, and the float32 cases again with the recursion run on two row chunks.
 LOADED = [(name, None) for name in MODEL_CASES] + [(name, 2) for name in MODEL_CASES if name.endswith("f32")]
@@ -29,6 +40,7 @@ def loaded(request):
         assert model.chunks_for(8) == row_chunks
     if NUM_DEVICES:
         from jaxport.distributed import make_mesh, replicate
+
         nnx.update(model, replicate(nnx.state(model), make_mesh(data=NUM_DEVICES)))
     return name, model
 
@@ -78,13 +90,19 @@ def test_eval_runs_to_max_steps(loaded):
     robust = exp[f"{last}/pred_gap"] >= case(name)["robustness"]["labels_ignored_where_top2_gap_below"]
     np.testing.assert_array_equal(saved["preds"][robust], exp[f"{last}/preds"][robust])
     np.testing.assert_array_equal(saved["puzzle_identifiers"], host_batch["puzzle_identifiers"])
-    assert sorted(result) == sorted(f"all/{k}" for k in ("accuracy", "exact_accuracy", "lm_loss", "q_halt_accuracy",
-                                                         "q_halt_loss", "steps"))
+    assert sorted(result) == sorted(
+        f"all/{k}" for k in ("accuracy", "exact_accuracy", "lm_loss", "q_halt_accuracy", "q_halt_loss", "steps")
+    )
     for key, value in result.items():
         metric = key.removeprefix("all/")
         expected = exp[f"eval/evaluate/{metric}"]
-        tol = loss_tol(name) if metric.endswith("loss") else accuracy_tol(name) if metric == "accuracy" else \
-            {"atol": 0, "rtol": 1e-7}
+        tol = (
+            loss_tol(name)
+            if metric.endswith("loss")
+            else accuracy_tol(name)
+            if metric == "accuracy"
+            else {"atol": 0, "rtol": 1e-7}
+        )
         close(value, expected, tol, f"eval/evaluate/{metric}")
     model.train()
 
@@ -122,14 +140,19 @@ def test_load_resizes_puzzle_embedding():
     n = int(exp["load_resize/num_puzzle_identifiers"])
     d = FIXTURES / name
     model = trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml", num_puzzle_identifiers=n)
-    close(model.inner.puzzle_emb.weights[...], exp["load_resize/puzzle_emb_weights"],
-          per_group(name)["ema/*, load_resize/*"], "load_resize")
+    close(
+        model.inner.puzzle_emb.weights[...],
+        exp["load_resize/puzzle_emb_weights"],
+        per_group(name)["ema/*, load_resize/*"],
+        "load_resize",
+    )
 
 
 @pytest.mark.parametrize("name", MODEL_CASES)
 def test_save_round_trip_is_upstream_format(name, tmp_path):
     """save -> upstream-format file with the original's keys, shapes and dtypes -> load gives the same model."""
     import torch
+
     d = FIXTURES / name
     model = trm.load_upstream_checkpoint(d / "step_0", d / "all_config.yaml")
     out = tmp_path / "run" / "step_7"
@@ -176,6 +199,7 @@ def test_stablemax_gradient_is_finite_where_a_logit_is_one():
     """Upstream computes stablemax in float64; in float32 the unused 1/(1-x) branch at x = 1 must not
     poison the gradient (it did: NaN weights after a few dozen steps of Sudoku training)."""
     from jaxport.trm.losses import stablemax_cross_entropy
+
     logits = jnp.array([[1.0, -0.5, 2.0], [0.3, 1.0, -2.0]], jnp.float32)
     labels = jnp.array([0, 2])
     grad = jax.grad(lambda x: stablemax_cross_entropy(x, labels, labels >= 0).sum())(logits)

@@ -12,23 +12,52 @@ from pathlib import Path
 
 import pytest
 
-TINY = ["arch.mlp_t=True", "arch.pos_encodings=none", "arch.hidden_size=32", "arch.num_heads=2", "arch.H_cycles=2",
-        "arch.L_cycles=1", "arch.L_layers=1", "arch.halt_max_steps=3", "arch.puzzle_emb_len=1",
-        "arch.forward_dtype=float32", "arch.halt_exploration_prob=0.5", "global_batch_size=16", "lr=1e-3",
-        "lr_warmup_steps=2", "evaluators=[]", "epochs=20", "eval_interval=10", "seed=3"]
+TINY = [
+    "arch.mlp_t=True",
+    "arch.pos_encodings=none",
+    "arch.hidden_size=32",
+    "arch.num_heads=2",
+    "arch.H_cycles=2",
+    "arch.L_cycles=1",
+    "arch.L_layers=1",
+    "arch.halt_max_steps=3",
+    "arch.puzzle_emb_len=1",
+    "arch.forward_dtype=float32",
+    "arch.halt_exploration_prob=0.5",
+    "global_batch_size=16",
+    "lr=1e-3",
+    "lr_warmup_steps=2",
+    "evaluators=[]",
+    "epochs=20",
+    "eval_interval=10",
+    "seed=3",
+]
 
 
 def jaxport(*args, env=None, **kwargs):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "jaxport.cli", *args], env=env, capture_output=True, text=True,
-                          **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxport.cli", *args], env=env, capture_output=True, text=True, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
 def sudoku(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "sudoku"
-    r = jaxport("trm", "build", "sudoku", "--generate", "--num-train", "48", "--num-test", "16", "--givens", "60",
-                "--output-dir", str(out))
+    r = jaxport(
+        "trm",
+        "build",
+        "sudoku",
+        "--generate",
+        "--num-train",
+        "48",
+        "--num-test",
+        "16",
+        "--givens",
+        "60",
+        "--output-dir",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -55,7 +84,7 @@ def test_resume_after_kill_follows_the_uninterrupted_trajectory(sudoku, tmp_path
     r = jaxport("trm", "eval", "--run", str(straight))
     assert r.returncode == 0, r.stderr[-3000:]
     final_eval = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()][-1]
-    for key, value in json.loads(r.stdout[r.stdout.index("{"):]).items():
+    for key, value in json.loads(r.stdout[r.stdout.index("{") :]).items():
         assert value == pytest.approx(final_eval[f"eval/{key}"], rel=1e-6), key
     # load_checkpoint= a jaxport run folder takes its weights (lr 0 keeps them: same evaluation).
     finetune = tmp_path / "finetune"
@@ -67,8 +96,12 @@ def test_resume_after_kill_follows_the_uninterrupted_trajectory(sudoku, tmp_path
             assert finetune_eval[key] == pytest.approx(value, rel=1e-6), key
     killed = tmp_path / "killed"
     args = train_args(sudoku, killed, "max_steps=24", "checkpoint_every_steps=3")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxport.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxport.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     ckpts = killed / "jaxport_checkpoints"
     deadline = time.time() + 300
     while time.time() < deadline and not (ckpts / "6").exists() and proc.poll() is None:
@@ -91,12 +124,15 @@ def test_eight_devices_give_the_losses_of_one(sudoku, tmp_path):
     runs = {}
     for n in (1, 8):
         run = tmp_path / f"dev{n}"
-        r = jaxport(*train_args(sudoku, run, "max_steps=4", "export_upstream=true"),
-                    env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+        r = jaxport(
+            *train_args(sudoku, run, "max_steps=4", "export_upstream=true"),
+            env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"},
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs[n] = metrics(run)
     # export_upstream=true also wrote the weights in upstream's format, which load back.
     from jaxport import trm
+
     exported = trm.load_upstream_checkpoint(tmp_path / "dev8" / "step_4", tmp_path / "dev8" / "all_config.yaml")
     assert exported.config.hidden_size == 32 and exported.config.mlp_t
     for step in range(1, 5):
@@ -112,12 +148,29 @@ def free_port() -> int:
 
 def two_processes(args, timeout=600):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.cli", *args, "--coordinator", f"127.0.0.1:{port}",
-                               "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"}) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxport.cli",
+                *args,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=timeout) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return outs
 
@@ -186,8 +239,10 @@ def test_tensorboard_logs_the_run_metrics(sudoku, tmp_path):
 def test_wandb_offline_needs_no_account(sudoku, tmp_path):
     pytest.importorskip("wandb")  # in the test extra; optional for users
     run = tmp_path / "wandb_run"
-    r = jaxport(*train_args(sudoku, run, "max_steps=2", "loggers=[jsonl,wandb]"),
-                env={"WANDB_MODE": "offline", "WANDB_API_KEY": "", "HOME": str(tmp_path)})
+    r = jaxport(
+        *train_args(sudoku, run, "max_steps=2", "loggers=[jsonl,wandb]"),
+        env={"WANDB_MODE": "offline", "WANDB_API_KEY": "", "HOME": str(tmp_path)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     offline_runs = list((run / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb")), offline_runs

@@ -32,6 +32,7 @@ def batch(name: str, prefix: str) -> dict:
     b = {k: inputs[f"{prefix}/{k}"] for k in BATCH_KEYS}
     if NUM_DEVICES:
         from jaxport.distributed import make_mesh, shard_batch
+
         assert len(jax.devices()) == NUM_DEVICES
         b = shard_batch(b, make_mesh(data=NUM_DEVICES))
     return b
@@ -42,8 +43,11 @@ def per_group(name: str) -> dict:
 
 
 def array_tol(name: str, mode: str) -> dict:
-    key = "train/c*/{logits,q_halt_logits,q_continue_logits,z_H,z_L}" if mode == "train" else \
-        "eval/s*/{logits,q_halt_logits,q_continue_logits,z_H,z_L}"
+    key = (
+        "train/c*/{logits,q_halt_logits,q_continue_logits,z_H,z_L}"
+        if mode == "train"
+        else "eval/s*/{logits,q_halt_logits,q_continue_logits,z_H,z_L}"
+    )
     return per_group(name)[key]
 
 
@@ -56,8 +60,13 @@ def accuracy_tol(name: str) -> dict:
 
 
 def close(actual, expected, tol: dict, what: str):
-    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
-                               atol=tol["atol"], rtol=tol["rtol"], err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64),
+        np.asarray(expected, np.float64),
+        atol=tol["atol"],
+        rtol=tol["rtol"],
+        err_msg=what,
+    )
 
 
 def metric_tol(name: str, metric: str) -> dict | None:
@@ -80,10 +89,13 @@ def check_call(name: str, prefix: str, carry, loss, metrics, outputs, all_finish
     np.testing.assert_array_equal(np.asarray(carry.halted), exp[f"{prefix}/halted"], f"{prefix}/halted")
     np.testing.assert_array_equal(np.asarray(carry.steps), exp[f"{prefix}/steps"], f"{prefix}/steps")
     for key in BATCH_KEYS:
-        np.testing.assert_array_equal(np.asarray(carry.current_data[key]), exp[f"{prefix}/current_{key}"],
-                                      f"{prefix}/current_{key}")
+        np.testing.assert_array_equal(
+            np.asarray(carry.current_data[key]), exp[f"{prefix}/current_{key}"], f"{prefix}/current_{key}"
+        )
     robust = exp[f"{prefix}/pred_gap"] >= case(name)["robustness"]["labels_ignored_where_top2_gap_below"]
-    np.testing.assert_array_equal(np.asarray(outputs["preds"])[robust], exp[f"{prefix}/preds"][robust], f"{prefix}/preds")
+    np.testing.assert_array_equal(
+        np.asarray(outputs["preds"])[robust], exp[f"{prefix}/preds"][robust], f"{prefix}/preds"
+    )
     close(loss, exp[f"{prefix}/loss"], loss_tol(name), f"{prefix}/loss")
     for metric, value in metrics.items():
         expected = exp[f"{prefix}/metrics/{metric}"]

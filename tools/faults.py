@@ -26,13 +26,40 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 JAXPORT = [sys.executable, "-m", "jaxport.cli"]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
-TRM_ARCH = ["arch.mlp_t=True", "arch.pos_encodings=none", "arch.hidden_size=32", "arch.num_heads=2",
-            "arch.H_cycles=2", "arch.L_cycles=1", "arch.L_layers=1", "arch.halt_max_steps=3", "arch.puzzle_emb_len=1",
-            "arch.forward_dtype=float32", "arch.halt_exploration_prob=0.5", "global_batch_size=16", "lr=1e-3",
-            "lr_warmup_steps=2", "evaluators=[]", "seed=3"]
-GPT_FLAGS = ["--device=cpu", "--dataset=shakespeare_char", "--block_size=32", "--batch_size=4", "--n_layer=1",
-             "--n_head=2", "--n_embd=32", "--dropout=0.1", "--eval_iters=2", "--log_interval=1", "--progress=False",
-             "--learning_rate=1e-3", "--warmup_iters=2", "--always_save_checkpoint=True"]
+TRM_ARCH = [
+    "arch.mlp_t=True",
+    "arch.pos_encodings=none",
+    "arch.hidden_size=32",
+    "arch.num_heads=2",
+    "arch.H_cycles=2",
+    "arch.L_cycles=1",
+    "arch.L_layers=1",
+    "arch.halt_max_steps=3",
+    "arch.puzzle_emb_len=1",
+    "arch.forward_dtype=float32",
+    "arch.halt_exploration_prob=0.5",
+    "global_batch_size=16",
+    "lr=1e-3",
+    "lr_warmup_steps=2",
+    "evaluators=[]",
+    "seed=3",
+]
+GPT_FLAGS = [
+    "--device=cpu",
+    "--dataset=shakespeare_char",
+    "--block_size=32",
+    "--batch_size=4",
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=32",
+    "--dropout=0.1",
+    "--eval_iters=2",
+    "--log_interval=1",
+    "--progress=False",
+    "--learning_rate=1e-3",
+    "--warmup_iters=2",
+    "--always_save_checkpoint=True",
+]
 
 
 class Family:
@@ -43,13 +70,33 @@ class Family:
 
     def command(self, run: Path, restart: bool) -> list[str]:
         if self.name == "trm":  # TRM runs resume by themselves
-            return [*JAXPORT, "trm", "train", *TRM_ARCH, f"data_paths=[{self.data}]", f"checkpoint_path={run}",
-                    "epochs=40", "eval_interval=20", f"max_steps={self.steps}", f"checkpoint_every_steps={self.every}",
-                    "keep_last=2"]
-        return [*JAXPORT, "gpt", "train", *GPT_FLAGS, f"--data_dir={self.data}", f"--out_dir={run}",
-                f"--max_iters={self.steps}", f"--eval_interval={self.steps}", f"--lr_decay_iters={self.steps}",
-                f"--checkpoint_interval={self.every}", "--keep_last=2",
-                f"--init_from={'resume' if restart else 'scratch'}"]
+            return [
+                *JAXPORT,
+                "trm",
+                "train",
+                *TRM_ARCH,
+                f"data_paths=[{self.data}]",
+                f"checkpoint_path={run}",
+                "epochs=40",
+                "eval_interval=20",
+                f"max_steps={self.steps}",
+                f"checkpoint_every_steps={self.every}",
+                "keep_last=2",
+            ]
+        return [
+            *JAXPORT,
+            "gpt",
+            "train",
+            *GPT_FLAGS,
+            f"--data_dir={self.data}",
+            f"--out_dir={run}",
+            f"--max_iters={self.steps}",
+            f"--eval_interval={self.steps}",
+            f"--lr_decay_iters={self.steps}",
+            f"--checkpoint_interval={self.every}",
+            "--keep_last=2",
+            f"--init_from={'resume' if restart else 'scratch'}",
+        ]
 
     def losses(self, run: Path) -> dict[int, float]:
         """The last logged training loss of every step (a restart logs the steps after its checkpoint again)."""
@@ -80,8 +127,9 @@ def saving_now(run: Path) -> bool:
 
 def kill_run(family: Family, run: Path, mode: str, rng: random.Random, timeout: float = 600) -> dict:
     """Start a run, kill -9 it as `mode` says, and report where it stood."""
-    proc = subprocess.Popen(family.command(run, restart=False), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=ENV)
+    proc = subprocess.Popen(
+        family.command(run, restart=False), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV
+    )
     deadline = time.time() + timeout
     while not complete_steps(run) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -99,8 +147,13 @@ def kill_run(family: Family, run: Path, mode: str, rng: random.Random, timeout: 
         proc.kill()
         killed_at = "at a random moment"
     proc.wait()
-    return {"mode": how, "killed": killed_at is not None, "killed_at": killed_at,
-            "intact_steps": complete_steps(run), "interrupted_save": saving_now(run)}
+    return {
+        "mode": how,
+        "killed": killed_at is not None,
+        "killed_at": killed_at,
+        "intact_steps": complete_steps(run),
+        "interrupted_save": saving_now(run),
+    }
 
 
 def run_to_end(family: Family, run: Path, restart: bool) -> tuple[int, str]:
@@ -111,19 +164,38 @@ def run_to_end(family: Family, run: Path, restart: bool) -> tuple[int, str]:
 def prepare(family: str, root: Path) -> Path:
     if family == "trm":
         data = root / "sudoku"
-        command = [*JAXPORT, "trm", "build", "sudoku", "--generate", "--num-train", "64", "--num-test", "16",
-                   "--givens", "60", "--output-dir", str(data)]
+        command = [
+            *JAXPORT,
+            "trm",
+            "build",
+            "sudoku",
+            "--generate",
+            "--num-train",
+            "64",
+            "--num-test",
+            "16",
+            "--givens",
+            "60",
+            "--output-dir",
+            str(data),
+        ]
     else:
         data = root / "data"
-        command = [*JAXPORT, "gpt", "prepare", "shakespeare_char", "--input",
-                   str(REPO / "tests" / "fixtures" / "gpt" / "tinyshakespeare" / "input.txt"),
-                   "--out_dir", str(data / "shakespeare_char")]
+        command = [
+            *JAXPORT,
+            "gpt",
+            "prepare",
+            "shakespeare_char",
+            "--input",
+            str(REPO / "tests" / "fixtures" / "gpt" / "tinyshakespeare" / "input.txt"),
+            "--out_dir",
+            str(data / "shakespeare_char"),
+        ]
     subprocess.run(command, check=True, capture_output=True, env=ENV)
     return data
 
 
-def run_family(name: str, kills: int, modes: list[str], root: Path, rng: random.Random, steps: int,
-               every: int) -> dict:
+def run_family(name: str, kills: int, modes: list[str], root: Path, rng: random.Random, steps: int, every: int) -> dict:
     family = Family(name, prepare(name, root), steps, every)
     reference_run = root / f"{name}-reference"
     code, output = run_to_end(family, reference_run, restart=False)
@@ -152,8 +224,10 @@ def run_family(name: str, kills: int, modes: list[str], root: Path, rng: random.
         tally["identical"] += report["identical"]
         print(json.dumps(report), flush=True)
         shutil.rmtree(run, ignore_errors=True)
-    print(f"{name}: {tally['kills']} kills, {tally['resumed']} resumed, {tally['identical']} identical trajectories",
-          flush=True)
+    print(
+        f"{name}: {tally['kills']} kills, {tally['resumed']} resumed, {tally['identical']} identical trajectories",
+        flush=True,
+    )
     return tally
 
 

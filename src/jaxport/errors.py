@@ -12,8 +12,11 @@ class JaxportError(Exception):
     """Bad input (path, file, key, shape, config value): the message says what to fix."""
 
 
-_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exhausted",
-              errno.EFBIG: "the file would exceed the file system's (or `ulimit -f`'s) size limit"}
+_DISK_FULL = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EFBIG: "the file would exceed the file system's (or `ulimit -f`'s) size limit",
+}
 
 
 def os_error(err: OSError, path: str | os.PathLike | None = None) -> JaxportError:
@@ -25,8 +28,10 @@ def os_error(err: OSError, path: str | os.PathLike | None = None) -> JaxportErro
     if err.errno in (errno.ENOTDIR, errno.EEXIST):
         blocker = next((p for p in (path, *path.parents) if p.is_file()), None)
         if blocker is not None:
-            return JaxportError(f"cannot create {path}: {blocker} is a file, not a folder; choose another output path "
-                                f"or move that file away")
+            return JaxportError(
+                f"cannot create {path}: {blocker} is a file, not a folder; choose another output path "
+                f"or move that file away"
+            )
     if err.errno in _DISK_FULL:
         return JaxportError(f"cannot write {path}: {_DISK_FULL[err.errno]}; free some space or write elsewhere")
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

@@ -9,7 +9,7 @@ from jaxport.errors import JaxportError
 
 
 def _close_matches(key: str, model: type[pydantic.BaseModel], loc: tuple) -> str:
-    """"; did you mean ..." for an unknown key, from the fields of the model that holds it."""
+    """ "; did you mean ..." for an unknown key, from the fields of the model that holds it."""
     node = model
     for part in loc[:-1]:
         field = node.model_fields.get(part) if isinstance(part, str) else None
@@ -21,8 +21,9 @@ def _close_matches(key: str, model: type[pydantic.BaseModel], loc: tuple) -> str
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def validate(model: type[pydantic.BaseModel], data: dict, where: str, what: str = "config key",
-             unknown_key_hint: str = ""):
+def validate(
+    model: type[pydantic.BaseModel], data: dict, where: str, what: str = "config key", unknown_key_hint: str = ""
+):
     """`model(**data)`, or one JaxportError for the first bad entry (`where` names the source, `what` the
     kind of key)."""
     try:
@@ -32,8 +33,9 @@ def validate(model: type[pydantic.BaseModel], data: dict, where: str, what: str 
         loc = tuple(first["loc"])
         key = ".".join(str(p) for p in loc)
         if first["type"] == "extra_forbidden":
-            raise JaxportError(f"unknown {what} {key!r} in {where}{_close_matches(str(loc[-1]), model, loc)}"
-                               f"{unknown_key_hint}") from None
+            raise JaxportError(
+                f"unknown {what} {key!r} in {where}{_close_matches(str(loc[-1]), model, loc)}{unknown_key_hint}"
+            ) from None
         if first["type"] == "missing":
             raise JaxportError(f"{where} lacks the {what} {key!r}") from None
         if first["type"] == "value_error":  # a check across keys; its message names them

@@ -11,7 +11,7 @@ older step is used; a step that is readable but does not fit the model is an err
 import contextlib
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -68,16 +68,24 @@ class RunCheckpoints:
     Retention: the newest `keep_last` steps are kept (None: all), and with `keep_every=K` also every
     step divisible by K. `warn` receives one-line reports of unreadable steps."""
 
-    def __init__(self, directory, keep_last: int | None = 3, keep_every: int | None = None,
-                 warn: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        directory,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        warn: Callable[[str], None] | None = None,
+    ):
         self.directory = epath.Path(directory)
         if not str(self.directory).startswith(("gs://", "s3://")):
             self.directory = self.directory.absolute()
         self.warn = warn or (lambda message: print(message, file=sys.stderr))
         self.manager = ocp.CheckpointManager(
-            self.directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep_last, keep_period=keep_every, create=True,
-                                                 enable_async_checkpointing=True))
+            self.directory,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep_last, keep_period=keep_every, create=True, enable_async_checkpointing=True
+            ),
+        )
         self._step_in_flight = None
         _ignore_callbacks_into_closed_loops()
 
@@ -93,8 +101,11 @@ class RunCheckpoints:
         self.wait()  # orbax would wait for the previous save anyway; its failure is that step's
         self._step_in_flight = step
         with self._saving():
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                                            meta=ocp.args.JsonSave(meta)), force=True)
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
 
     def wait(self) -> None:
         """Block until every save in flight is complete on disk."""
@@ -108,10 +119,14 @@ class RunCheckpoints:
             yield
         except Exception as err:
             step, intact = self._step_in_flight, self.all_steps()
-            kept = f"the checkpoints already in {self.directory} are intact (newest: step {intact[-1]})" if intact \
+            kept = (
+                f"the checkpoints already in {self.directory} are intact (newest: step {intact[-1]})"
+                if intact
                 else f"{self.directory} holds no complete checkpoint"
-            raise JaxportError(f"saving checkpoint step {step} failed: {write_error(err, self.directory / str(step))}; "
-                               f"{kept}") from None
+            )
+            raise JaxportError(
+                f"saving checkpoint step {step} failed: {write_error(err, self.directory / str(step))}; {kept}"
+            ) from None
 
     def _restore_step(self, step: int, abstract_state, partial: bool):
         """One step's `(state, meta)`, or None (after a one-line report) when the step cannot be read.
@@ -127,8 +142,11 @@ class RunCheckpoints:
             return None
         if callable(abstract_state):
             abstract_state = abstract_state(meta)
-        state_args = ocp.args.PyTreeRestore(abstract_state, partial_restore=partial,
-                                            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+        state_args = ocp.args.PyTreeRestore(
+            abstract_state,
+            partial_restore=partial,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+        )
         mismatch = _shape_mismatch(saved, abstract_state, partial) if saved is not None else None
         if mismatch:
             raise JaxportError(f"{where} does not fit this model/config: {mismatch}")
@@ -153,8 +171,10 @@ class RunCheckpoints:
                 if i:
                     self.warn(f"using step {candidate} instead, the newest intact checkpoint in {self.directory}")
                 return restored
-        raise JaxportError(f"no intact checkpoint left in {self.directory}: steps {steps} all failed to read "
-                           f"(see the lines above); delete the folder to start afresh")
+        raise JaxportError(
+            f"no intact checkpoint left in {self.directory}: steps {steps} all failed to read "
+            f"(see the lines above); delete the folder to start afresh"
+        )
 
     def __enter__(self) -> "RunCheckpoints":
         return self
@@ -177,8 +197,12 @@ def _describe_read_error(err: BaseException) -> str:
     text = _first_line(err)
     array = re.search(r'reading "([^"/]+)', text)
     where = f" (array {array.group(1)})" if array else ""
-    for code, meaning in (("OUT_OF_RANGE", "is truncated"), ("NOT_FOUND", "is missing"), ("DATA_LOSS", "is damaged"),
-                          ("FAILED_PRECONDITION", "is damaged")):
+    for code, meaning in (
+        ("OUT_OF_RANGE", "is truncated"),
+        ("NOT_FOUND", "is missing"),
+        ("DATA_LOSS", "is damaged"),
+        ("FAILED_PRECONDITION", "is damaged"),
+    ):
         if code in text:
             detail = text.rsplit(": ", 1)[-1]
             return f"an array file {meaning}{where}: {detail}"
@@ -187,5 +211,6 @@ def _describe_read_error(err: BaseException) -> str:
 
 def abstract_like(tree):
     """ShapeDtypeStructs with the shardings of `tree`'s arrays: what `restore` needs."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )

@@ -24,8 +24,9 @@ def _torch():
     try:
         import torch
     except ImportError as err:
-        raise JaxportError("reading or writing PyTorch .pt files needs PyTorch: "
-                           "pip install 'jaxport[torch]' (torch==2.13.0)") from err
+        raise JaxportError(
+            "reading or writing PyTorch .pt files needs PyTorch: pip install 'jaxport[torch]' (torch==2.13.0)"
+        ) from err
     return torch
 
 
@@ -43,13 +44,16 @@ def load_torch_file(path: str | os.PathLike, what: str = "checkpoint") -> dict:
     if path.stat().st_size == 0:
         raise JaxportError(f"{what} file is empty: {path}")
     if not zipfile.is_zipfile(path):
-        raise JaxportError(f"{what} file is truncated or not a PyTorch checkpoint "
-                           f"(no complete torch.save zip archive): {path}")
+        raise JaxportError(
+            f"{what} file is truncated or not a PyTorch checkpoint (no complete torch.save zip archive): {path}"
+        )
     # torch.load does not check the archive's CRCs, so damaged tensor bytes would load silently.
     with zipfile.ZipFile(path) as archive:
         damaged = archive.testzip()
     if damaged is not None:
-        raise JaxportError(f"{what} file is corrupt or truncated: {path} (archive member {damaged} fails its CRC check)")
+        raise JaxportError(
+            f"{what} file is corrupt or truncated: {path} (archive member {damaged} fails its CRC check)"
+        )
     torch = _torch()
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -64,6 +68,7 @@ def _to_numpy(obj, torch):
         t = obj.detach().cpu()
         if t.dtype == torch.bfloat16:
             import ml_dtypes
+
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
     if isinstance(obj, dict):  # OrderedDict stays one, as state dicts are
@@ -86,6 +91,10 @@ def _to_torch(obj, torch):
     return obj
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once at import: changing it later, while other threads create files, would race
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike):
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds,
@@ -98,6 +107,7 @@ def atomic_write(path: str | os.PathLike):
         raise os_error(err) from None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # the mode an ordinary open() gives, not mkstemp's 0600
     try:
         yield Path(tmp)
         with open(tmp, "rb") as f:
@@ -119,4 +129,4 @@ def save_torch_file(obj, path: str | os.PathLike) -> None:
 
 def strip_prefix(state_dict: dict, prefix: str) -> dict:
     """Drop `prefix` from every key that has it (e.g. torch.compile's `_orig_mod.`)."""
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state_dict.items()}
+    return {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in state_dict.items()}

@@ -2,10 +2,28 @@
 
 from jaxport.distributed.host import fetch_replicated, gather_objects, gather_to_host, local_rows
 from jaxport.distributed.launch import initialize, initialize_from_argv
-from jaxport.distributed.mesh import (LOGICAL_AXIS_RULES, logical_sharding, make_mesh, replicate,
-                                      shard_batch, shard_leading,
-                                      tree_shardings)
+from jaxport.distributed.mesh import (
+    LOGICAL_AXIS_RULES,
+    logical_sharding,
+    make_mesh,
+    replicate,
+    shard_batch,
+    shard_leading,
+    tree_shardings,
+)
 
-__all__ = ["LOGICAL_AXIS_RULES", "fetch_replicated", "gather_objects", "gather_to_host",
-           "initialize", "initialize_from_argv", "local_rows", "logical_sharding", "make_mesh", "replicate",
-           "shard_batch", "shard_leading", "tree_shardings"]
+__all__ = [
+    "LOGICAL_AXIS_RULES",
+    "fetch_replicated",
+    "gather_objects",
+    "gather_to_host",
+    "initialize",
+    "initialize_from_argv",
+    "local_rows",
+    "logical_sharding",
+    "make_mesh",
+    "replicate",
+    "shard_batch",
+    "shard_leading",
+    "tree_shardings",
+]

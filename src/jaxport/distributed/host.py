@@ -6,14 +6,17 @@ import pickle
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 
 def fetch_replicated(tree):
     """Replicated (or single-device) arrays as numpy, read from this process's own copies in one
     transfer: no collective, so any process may call it alone (losses, metrics, a halting flag)."""
+
     def own_copy(x):
         return x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable else x
+
     return jax.tree.map(np.asarray, jax.device_get(jax.tree.map(own_copy, tree)))
 
 
@@ -40,6 +43,6 @@ def gather_objects(obj) -> list:
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
     sizes = multihost_utils.process_allgather(np.array([payload.size], np.int64))
     padded = np.zeros(int(np.max(sizes)), np.uint8)
-    padded[:payload.size] = payload
+    padded[: payload.size] = payload
     gathered = multihost_utils.process_allgather(padded)
-    return [pickle.loads(gathered[i, :int(sizes[i, 0])].tobytes()) for i in range(gathered.shape[0])]
+    return [pickle.loads(gathered[i, : int(sizes[i, 0])].tobytes()) for i in range(gathered.shape[0])]

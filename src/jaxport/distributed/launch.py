@@ -12,8 +12,9 @@ from jaxport.errors import JaxportError
 CLUSTER_VARIABLES = ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE")
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+def initialize(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
     """Start multi-host JAX when the arguments, the JAXPORT_* variables or a cluster say so; else nothing."""
     coordinator_address = coordinator_address or os.environ.get("JAXPORT_COORDINATOR")
     if coordinator_address is None and num_processes is None:
@@ -24,8 +25,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         num_processes = num_processes if num_processes is not None else int(os.environ["JAXPORT_NUM_PROCESSES"])
         process_id = process_id if process_id is not None else int(os.environ["JAXPORT_PROCESS_ID"])
     except (KeyError, ValueError):
-        raise JaxportError("a coordinator needs --num-processes N and --process-id I (or JAXPORT_NUM_PROCESSES "
-                           "and JAXPORT_PROCESS_ID)") from None
+        raise JaxportError(
+            "a coordinator needs --num-processes N and --process-id I (or JAXPORT_NUM_PROCESSES and JAXPORT_PROCESS_ID)"
+        ) from None
     if not 0 <= process_id < num_processes:
         raise JaxportError(f"--process-id {process_id} must lie in 0..{num_processes - 1} (--num-processes)")
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)

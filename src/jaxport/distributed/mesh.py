@@ -8,7 +8,8 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # logical dimension -> mesh axis (or tuple of axes); absent means replicated.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -33,8 +34,9 @@ def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1, devices=None) -> Me
     if -1 in sizes:
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh (data={sizes[0]}, fsdp={sizes[1]}, model={sizes[2]}) does not cover "
-                         f"{len(devices)} devices")
+        raise ValueError(
+            f"mesh (data={sizes[0]}, fsdp={sizes[1]}, model={sizes[2]}) does not cover {len(devices)} devices"
+        )
     return Mesh(np.asarray(devices).reshape(sizes), ("data", "fsdp", "model"))
 
 
@@ -59,9 +61,11 @@ def logical_sharding(mesh: Mesh, *logical_axes: str | None, shape: tuple | None 
 def tree_shardings(tree, mesh: Mesh, logical_axes_of):
     """Shardings for a tree of parameters: `logical_axes_of(dotted path)` names each array's dimensions
     (a family's table of logical axes), and `logical_sharding` places them on the mesh."""
+
     def sharding(path, x):
         dotted = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         return logical_sharding(mesh, *logical_axes_of(dotted), shape=np.shape(x))
+
     return jax.tree_util.tree_map_with_path(sharding, tree)
 
 
@@ -79,9 +83,11 @@ def shard_batch(batch, mesh: Mesh, batch_dim: int = 0):
     """Global arrays from each process's own rows: the leading (batch) dimension is split over the
     mesh's batch axes and every process supplies the rows its devices hold (one process: all rows).
     `batch_dim` names another dimension as the batch, e.g. -2 for micro-batches `[steps, B, T]`."""
+
     def put(x):
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(_batch_sharding(mesh, x.ndim, batch_dim), x)
+
     return jax.tree.map(put, batch)
 
 

@@ -1,13 +1,19 @@
-"""Dream / DiffuCoder masked-diffusion language models (Hugging Face format) in JAX."""
+"""Dream / DiffuCoder masked-diffusion language models (Hugging Face format) in JAX.
+
+`dream.generate` is text in, text out (`jaxport.dream.text`); the token-level module stays importable as
+`from jaxport.dream.generate import ...`.
+"""
 
 from pathlib import Path
 
 from jax.sharding import Mesh
 
 from jaxport.dream.config import DreamConfig, preset
+from jaxport.dream.fast import FinishedBlock, generate_blocks
 from jaxport.dream.generate import GenerationOutput, diffusion_generate
 from jaxport.dream.model import DreamModel
 from jaxport.dream.params import load_model, random_model
+from jaxport.dream.text import generate
 from jaxport.dream.tokenizer import DreamTokenizer
 
 
@@ -18,5 +24,17 @@ def load(model_dir: str | Path, dtype: str = "float32", mesh: Mesh | None = None
     return model, DreamTokenizer.from_model_dir(model_dir, config)
 
 
-__all__ = ["DreamConfig", "DreamModel", "DreamTokenizer", "GenerationOutput", "diffusion_generate", "load",
-           "load_model", "preset", "random_model"]
+__all__ = [
+    "DreamConfig",
+    "DreamModel",
+    "DreamTokenizer",
+    "FinishedBlock",
+    "GenerationOutput",
+    "diffusion_generate",
+    "generate",
+    "generate_blocks",
+    "load",
+    "load_model",
+    "preset",
+    "random_model",
+]

@@ -14,9 +14,15 @@ from jaxport.dream.model import DreamModel
 
 def environment() -> dict:
     device = jax.devices()[0]
-    return {"platform": device.platform, "device": device.device_kind, "device_count": jax.device_count(),
-            "python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
-            "machine": platform.machine()}
+    return {
+        "platform": device.platform,
+        "device": device.device_kind,
+        "device_count": jax.device_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "machine": platform.machine(),
+    }
 
 
 def peak_memory_bytes() -> int | None:
@@ -24,7 +30,7 @@ def peak_memory_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def _timed(fn, repeats: int) -> tuple[float, list[float]]:
+def timed(fn, repeats: int) -> tuple[float, list[float]]:
     """(first call seconds, compile included; steady-state seconds of each further call)."""
     start = time.perf_counter()
     jax.block_until_ready(fn())
@@ -37,8 +43,21 @@ def _timed(fn, repeats: int) -> tuple[float, list[float]]:
     return first, times
 
 
-def run(model: DreamModel, *, prompt_len: int, new_tokens: int, steps: int, alg: str, batch_sizes: list[int],
-        repeats: int = 3, seed: int = 0, log=None) -> dict:
+def run(
+    model: DreamModel,
+    *,
+    prompt_len: int,
+    new_tokens: int,
+    steps: int,
+    alg: str,
+    batch_sizes: list[int],
+    repeats: int = 3,
+    seed: int = 0,
+    log=None,
+    **generation_args,
+) -> dict:
+    """Forward and generation timings per batch size; `generation_args` go to `diffusion_generate`
+    (e.g. the fast-decoding `block_length`, `cache`, `threshold`)."""
     cfg = model.config
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(flax.nnx.state(model)))
     rng = np.random.default_rng(seed)
@@ -48,21 +67,41 @@ def run(model: DreamModel, *, prompt_len: int, new_tokens: int, steps: int, alg:
     for batch in batch_sizes:
         ids = rng.integers(0, low, (batch, prompt_len)).astype(np.int32)
         canvas = rng.integers(0, low, (batch, prompt_len + new_tokens)).astype(np.int32)
-        fwd_first, fwd_times = _timed(lambda: model(canvas), repeats)
-        gen_first, gen_times = _timed(lambda: model.diffusion_generate(
-            ids, max_new_tokens=new_tokens, steps=steps, alg=alg, return_dict_in_generate=False), repeats)
+        fwd_first, fwd_times = timed(lambda canvas=canvas: model(canvas), repeats)
+        gen_first, gen_times = timed(
+            lambda ids=ids: model.diffusion_generate(
+                ids, max_new_tokens=new_tokens, steps=steps, alg=alg, return_dict_in_generate=False, **generation_args
+            ),
+            repeats,
+        )
         gen_median, fwd_median = statistics.median(gen_times), statistics.median(fwd_times)
-        row = {"batch": batch,
-               "generate_compile_s": round(gen_first - gen_median, 3), "generate_times_s": [round(t, 4) for t in gen_times],
-               "generate_median_s": round(gen_median, 4),
-               "new_tokens_per_s": round(batch * new_tokens / gen_median, 2),
-               "steps_per_s": round(steps / gen_median, 2),
-               "forward_compile_s": round(fwd_first - fwd_median, 3), "forward_median_s": round(fwd_median, 5),
-               "forward_tokens_per_s": round(batch * (prompt_len + new_tokens) / fwd_median, 1)}
+        row = {
+            "batch": batch,
+            "generate_compile_s": round(gen_first - gen_median, 3),
+            "generate_times_s": [round(t, 4) for t in gen_times],
+            "generate_median_s": round(gen_median, 4),
+            "new_tokens_per_s": round(batch * new_tokens / gen_median, 2),
+            "steps_per_s": round(steps / gen_median, 2),
+            "forward_compile_s": round(fwd_first - fwd_median, 3),
+            "forward_median_s": round(fwd_median, 5),
+            "forward_tokens_per_s": round(batch * (prompt_len + new_tokens) / fwd_median, 1),
+        }
         results.append(row)
         if log:
             log(f"batch {batch}: {row['generate_median_s']} s per generation, {row['new_tokens_per_s']} new tokens/s")
-    return {"what": "jaxport Dream diffusion_generate", **environment(), "dtype": str(np.dtype(model.dtype)),
-            "config": dataclasses.asdict(cfg), "n_params": n_params, "prompt_len": prompt_len,
-            "max_new_tokens": new_tokens, "steps": steps, "alg": alg, "temperature": 0.0, "repeats": repeats,
-            "results": results, "peak_device_memory_bytes": peak_memory_bytes()}
+    return {
+        "what": "jaxport Dream diffusion_generate",
+        **environment(),
+        "dtype": str(np.dtype(model.dtype)),
+        "config": dataclasses.asdict(cfg),
+        "n_params": n_params,
+        "prompt_len": prompt_len,
+        "max_new_tokens": new_tokens,
+        "steps": steps,
+        "alg": alg,
+        "temperature": 0.0,
+        "repeats": repeats,
+        "generation_args": generation_args,
+        "results": results,
+        "peak_device_memory_bytes": peak_memory_bytes(),
+    }

@@ -1,6 +1,8 @@
-"""`jaxport dream generate|bench`: diffusion generation from a Hugging Face Dream directory, and speed."""
+"""`jaxport dream generate|bench|serve`: diffusion generation from a Hugging Face Dream directory, its speed,
+and an OpenAI-compatible server."""
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -12,15 +14,9 @@ from jaxport.errors import JaxportError
 
 
 def _mesh(spec: str | None):
-    if not spec:
-        return None
-    from jaxport.distributed import make_mesh
-    try:
-        data, fsdp, model = (int(v) for v in spec.split(","))
-        return make_mesh(data=data, fsdp=fsdp, model=model)
-    except ValueError as err:
-        raise JaxportError(f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering "
-                           f"{jax.device_count()} devices ({err})") from None
+    from jaxport.dream.params import parse_mesh
+
+    return parse_mesh(spec)
 
 
 def _add_sampling(p: argparse.ArgumentParser):
@@ -30,6 +26,28 @@ def _add_sampling(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
     p.add_argument("--mesh", default=None, help="DATA,FSDP,MODEL device mesh sizes, e.g. 1,1,8")
     p.add_argument("--seed", type=int, default=0)
+    _add_fast(p)
+
+
+def _add_fast(p: argparse.ArgumentParser):
+    fast = p.add_argument_group("fast decoding (Fast-dLLM)")
+    fast.add_argument(
+        "--block-length",
+        type=int,
+        default=None,
+        help="generate in blocks of this many tokens, left to right (must divide --max-new-tokens)",
+    )
+    fast.add_argument("--cache", default=None, help="prefix or dual: approximate KV cache refreshed once per block")
+    fast.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="also unmask every mask of the block whose token has at least this probability, in (0, 1]",
+    )
+
+
+def _fast_args(args) -> dict:
+    return {"block_length": args.block_length, "cache": args.cache, "threshold": args.threshold}
 
 
 def _read_prompts(args) -> list:
@@ -49,31 +67,24 @@ def _read_prompts(args) -> list:
         if isinstance(item, dict):
             item = item.get("messages", item.get("prompt"))
         if not isinstance(item, (str, list)):
-            raise JaxportError(f"{path}:{number}: expected a string, {{\"prompt\": ...}} or {{\"messages\": [...]}}")
+            raise JaxportError(f'{path}:{number}: expected a string, {{"prompt": ...}} or {{"messages": [...]}}')
         prompts.append(item)
     if not prompts:
         raise JaxportError(f"{path}: no prompts")
     return prompts
 
 
-def _prompt_text(tokenizer, item, chat: bool, system: str | None) -> str:
-    if isinstance(item, list):  # chat messages
-        return tokenizer.apply_chat_template(item, add_generation_prompt=True)
-    if not chat:
-        return item
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
 def generate(args) -> int:
     from jaxport import dream
+    from jaxport.dream.text import prompt_text
+
     prompts = _read_prompts(args)
-    steps = args.steps or args.max_new_tokens
+    steps = args.max_new_tokens if args.steps is None else args.steps  # --steps 0 is an error, not the default
     mesh = _mesh(args.mesh)
     start = time.perf_counter()
     model, tokenizer = dream.load(args.model, dtype=args.dtype, mesh=mesh)
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    texts = [_prompt_text(tokenizer, item, args.chat, args.system) for item in prompts]
+    texts = [prompt_text(tokenizer, item, args.chat, args.system) for item in prompts]
     # One prompt length for every batch, so the generation compiles once.
     prompt_len = max(len(tokenizer.encode(t)) for t in texts)
     state = {"batch": 0}
@@ -81,30 +92,49 @@ def generate(args) -> int:
 
     # Defined once: hooks and progress callbacks are part of the compiled program's identity.
     def progress(step, x):
-        step = int(step) + 1
+        step = state["step"] = int(step) + 1
         if args.watch:
             for row, canvas in enumerate(x[:, prompt_len:].tolist()):
                 shown = "".join("_" if t == tokenizer.mask_token_id else tokenizer.decode([t]) for t in canvas)
                 print(f"[step {step}/{steps} row {row}] {shown}", file=sys.stderr)
         else:
-            print(f"\rbatch {state['batch']}: step {step}/{steps}", end="\n" if step == steps else "",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\rbatch {state['batch']}: step {step}/{steps}",
+                end="\n" if step == steps else "",
+                file=sys.stderr,
+                flush=True,
+            )
 
     for first in range(0, len(prompts), args.batch_size):
         state["batch"] += 1
-        input_ids, attention_mask = tokenizer(texts[first:first + args.batch_size], pad_to=prompt_len)
+        input_ids, attention_mask = tokenizer(texts[first : first + args.batch_size], pad_to=prompt_len)
         if input_ids.shape not in compiled:
             compiled.add(input_ids.shape)
-            print(f"compiling generation for prompts {list(input_ids.shape)} + {args.max_new_tokens} new tokens",
-                  file=sys.stderr)
+            print(
+                f"compiling generation for prompts {list(input_ids.shape)} + {args.max_new_tokens} new tokens",
+                file=sys.stderr,
+            )
         start = time.perf_counter()
-        out = model.diffusion_generate(input_ids, attention_mask, max_new_tokens=args.max_new_tokens, steps=steps,
-                                       alg=args.alg, temperature=args.temperature, top_p=args.top_p,
-                                       top_k=args.top_k, alg_temp=args.alg_temp, eps=args.eps,
-                                       rng=jax.random.key(args.seed + first), progress=progress)
+        out = model.diffusion_generate(
+            input_ids,
+            attention_mask,
+            max_new_tokens=args.max_new_tokens,
+            steps=steps,
+            alg=args.alg,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            alg_temp=args.alg_temp,
+            eps=args.eps,
+            rng=jax.random.key(args.seed + first),
+            progress=progress,
+            **_fast_args(args),
+        )
         sequences = jax.device_get(out.sequences)
+        if not args.watch and state.get("step") != steps:  # block-wise: blocks may end before their last step
+            print(file=sys.stderr)
         print(f"batch {state['batch']}: {time.perf_counter() - start:.2f} s", file=sys.stderr)
-        batch = prompts[first:first + args.batch_size]
+        batch = prompts[first : first + args.batch_size]
         for prompt, completion in zip(batch, tokenizer.decode_generation(sequences, prompt_len)):
             print(json.dumps({"prompt": prompt, "completion": completion}, ensure_ascii=False), flush=True)
     return 0
@@ -113,6 +143,7 @@ def generate(args) -> int:
 def bench(args) -> int:
     from jaxport import dream
     from jaxport.dream import bench as bench_lib
+
     mesh = _mesh(args.mesh)
     if args.random_init:
         model = dream.random_model(dream.preset(args.random_init), dtype=args.dtype, mesh=mesh, seed=args.seed)
@@ -121,12 +152,149 @@ def bench(args) -> int:
     else:
         raise JaxportError("give --model DIR or --random-init SIZE (7b, 40m, tiny)")
     batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
-    result = bench_lib.run(model, prompt_len=args.prompt_len, new_tokens=args.max_new_tokens,
-                           steps=args.steps or args.max_new_tokens, alg=args.alg, batch_sizes=batch_sizes,
-                           repeats=args.repeats, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+    steps = args.max_new_tokens if args.steps is None else args.steps
+    result = bench_lib.run(
+        model,
+        prompt_len=args.prompt_len,
+        new_tokens=args.max_new_tokens,
+        steps=steps,
+        alg=args.alg,
+        batch_sizes=batch_sizes,
+        repeats=args.repeats,
+        seed=args.seed,
+        log=lambda m: print(m, file=sys.stderr),
+        **_fast_args(args),
+    )
     result["model"] = args.model or f"random-init {args.random_init}"
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _sizes(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise JaxportError(f"{flag} {text!r}: expected comma-separated integers, e.g. 64,256") from None
+
+
+def serve(args) -> int:
+    from jaxport import dream
+    from jaxport.dream.serve import ServeSettings
+    from jaxport.dream.serve import serve as run_server
+
+    settings = ServeSettings(
+        model_name=args.served_model_name
+        or (f"dream-{args.random_init}-random" if args.random_init else Path(args.model).resolve().name),
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_context=args.max_context,
+        prompt_buckets=_sizes(args.prompt_buckets, "--prompt-buckets"),
+        max_tokens_buckets=_sizes(args.max_tokens_buckets, "--max-tokens-buckets"),
+        default_max_tokens=args.default_max_tokens,
+        alg=args.alg,
+        fast=tuple((name, value) for name, value in _fast_args(args).items() if value is not None),
+    )
+    mesh = _mesh(args.mesh)
+    start = time.perf_counter()
+    if args.random_init:
+        # The size's layers with the directory's vocabulary ids: a tokenizer for a benchmark model.
+        tokens = dream.DreamConfig.from_model_dir(args.model)
+        config = dream.preset(args.random_init)
+        if tokens.vocab_size > config.vocab_size:
+            raise JaxportError(
+                f"--random-init {args.random_init}: its {config.vocab_size}-token vocabulary cannot "
+                f"hold the {tokens.vocab_size} tokens of {args.model}"
+            )
+        config = dataclasses.replace(
+            config,
+            **{
+                name: getattr(tokens, name)
+                for name in ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id")
+            },
+        )
+        model = dream.random_model(config, dtype=args.dtype, mesh=mesh, seed=args.seed)
+        tokenizer = dream.DreamTokenizer.from_model_dir(args.model, config)
+    else:
+        model, tokenizer = dream.load(args.model, dtype=args.dtype, mesh=mesh)
+    print(f"loaded {settings.model_name} ({args.dtype}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return run_server(model, tokenizer, settings, host=args.host, port=args.port, warmup=not args.no_warmup)
+
+
+def train(args) -> int:
+    from jaxport.distributed import initialize
+    from jaxport.dream import train as train_lib
+
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    options = {k: v for k, v in vars(args).items() if k in train_lib.TrainConfig.__dataclass_fields__}
+    result = train_lib.train(**options)
+    print(json.dumps(result))
+    return 0
+
+
+def export(args) -> int:
+    from jaxport.dream.train import export as export_model
+
+    print(export_model(args.source, args.output, step=args.step, dtype=args.dtype, max_shard_size=args.max_shard_size))
+    return 0
+
+
+def tokenizer(args) -> int:
+    from jaxport.dream.data import read_texts
+    from jaxport.dream.tokenizer import train_tokenizer
+
+    print(
+        train_tokenizer(
+            read_texts(args.input), args.output, vocab_size=args.vocab_size, min_frequency=args.min_frequency
+        )
+    )
+    return 0
+
+
+def _add_train(actions):
+    from jaxport.dream.train import TrainConfig
+
+    tr = actions.add_parser(
+        "train",
+        help="masked-diffusion training (from a Hugging Face directory or from scratch), then a Hugging Face export",
+        argument_default=argparse.SUPPRESS,
+    )  # unset flags leave the preset's settings
+    for field in dataclasses.fields(TrainConfig):
+        flag, text = "--" + field.name.replace("_", "-"), field.metadata["help"]
+        if field.type is bool:
+            tr.add_argument(flag, action="store_true", help=text)
+        else:
+            kind = next(t for t in (int, float, str) if t is field.type or t in getattr(field.type, "__args__", ()))
+            tr.add_argument(
+                flag, type=kind, help=text if field.default is None else f"{text} (default: {field.default})"
+            )
+    tr.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0")
+    tr.add_argument("--num-processes", type=int, default=None)
+    tr.add_argument("--process-id", type=int, default=None)
+    tr.set_defaults(run=train)
+
+    exp = actions.add_parser(
+        "export",
+        help="a Hugging Face directory from a training run folder (or another "
+        "Hugging Face directory, to change dtype or shards)",
+    )
+    exp.add_argument("source", help="run folder of `jaxport dream train`, or a Hugging Face Dream directory")
+    exp.add_argument("--output", required=True, help="directory to write")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
+    exp.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the model's torch_dtype)")
+    exp.add_argument("--max-shard-size", default="5GB", help="split the weights into shards above this size")
+    exp.set_defaults(run=export)
+
+    tok = actions.add_parser("tokenizer", help="train a byte-level BPE tokenizer with Dream's special tokens")
+    tok.add_argument(
+        "--input",
+        required=True,
+        nargs="+",
+        help='text files, or JSONL ({"prompt", "completion"}, {"messages": [...]} or {"text"})',
+    )
+    tok.add_argument("--output", required=True, help="directory for tokenizer.json and tokenizer_config.json")
+    tok.add_argument("--vocab-size", type=int, default=4096, help="tokens in all, Dream's 24 added tokens included")
+    tok.add_argument("--min-frequency", type=int, default=2, help="a pair must occur this often to be merged")
+    tok.set_defaults(run=tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +326,44 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--batch-sizes", default="1,4")
     ben.add_argument("--repeats", type=int, default=3)
     ben.set_defaults(run=bench, max_new_tokens=64, dtype="float32")
+
+    srv = actions.add_parser("serve", help="an OpenAI-compatible HTTP server that batches concurrent requests")
+    srv.add_argument("--model", required=True, help="Hugging Face Dream/DiffuCoder directory")
+    srv.add_argument(
+        "--random-init",
+        default=None,
+        help="random weights of a named size (7b, 40m, tiny) for benchmarks; --model then only "
+        "gives the tokenizer and its special token ids",
+    )
+    srv.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: the directory name)"
+    )
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=8, help="most rows generated together")
+    srv.add_argument("--max-queue", type=int, default=64, help="most rows waiting; more get HTTP 429")
+    srv.add_argument("--max-context", type=int, default=2048, help="most prompt + new tokens per row")
+    srv.add_argument("--prompt-buckets", default="128,512", help="prompt lengths rows are padded to")
+    srv.add_argument("--max-tokens-buckets", default="64,256", help="canvas sizes max_tokens is rounded up to")
+    srv.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of requests that give none (default: the smallest bucket)",
+    )
+    srv.add_argument("--alg", default="entropy", help="alg of requests that give none")
+    srv.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
+    srv.add_argument("--mesh", default=None, help="DATA,FSDP,MODEL device mesh sizes, e.g. 1,1,8")
+    srv.add_argument("--seed", type=int, default=0, help="seed of --random-init weights")
+    srv.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="compile on first use only (default: the default settings' shapes at start-up)",
+    )
+    _add_fast(srv)  # defaults for requests that do not set them
+    srv.set_defaults(run=serve)
+
+    _add_train(actions)
 
     args = parser.parse_args(argv)
     if getattr(args, "batch_size", 1) < 1:

@@ -15,23 +15,34 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxport.distributed.mesh import logical_sharding
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.generate import diffusion_generate, padding_inputs
-from jaxport.distributed.mesh import logical_sharding
 from jaxport.nn import Attention, Embedding, Linear, RMSNorm, SwiGLU, rotary_cos_sin
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DreamConfig, *, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                                   causal=False, qkv_bias=True, fused_qkv=False, rngs=rngs)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            causal=False,
+            qkv_bias=True,
+            fused_qkv=False,
+            rngs=rngs,
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, fused=False, rngs=rngs)
 
-    def __call__(self, x_BND, cos_sin, mask):
-        x_BND = x_BND + self.self_attn(self.input_layernorm(x_BND), cos_sin, mask)
-        return x_BND + self.mlp(self.post_attention_layernorm(x_BND))
+    def __call__(self, x_BSD, cos_sin, mask, kv_cache=None, cache_index=0):
+        """`(output, (k, v))`; see `Attention.attend` for the cache."""
+        attended, kv = self.self_attn.attend(
+            self.input_layernorm(x_BSD), cos_sin, mask, kv_cache=kv_cache, cache_index=cache_index
+        )
+        x_BSD = x_BSD + attended
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD)), kv
 
 
 class DreamModel(nnx.Module):
@@ -44,8 +55,9 @@ class DreamModel(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, init_std=0.02, rngs=rngs, dtype=dtype)
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
-                                                                   rngs=rngs)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, rngs=rngs)
+        )
 
     def hidden_states(self, input_ids_BN, mask=None, position_ids_BN=None, *, all_layers: bool = False):
         """Final hidden states `[B, N, D]` (after the last RMSNorm).
@@ -54,21 +66,36 @@ class DreamModel(nnx.Module):
         With `all_layers`, also the list upstream's `output_hidden_states` gives: the
         embeddings, the output of every layer but the last, then the final normed state.
         """
-        B, N = input_ids_BN.shape
-        if position_ids_BN is None:
-            position_ids_BN = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+        h_BND, states, _ = self._decode(input_ids_BN, mask, position_ids_BN)
+        return (h_BND, states[:-1] + [h_BND]) if all_layers else h_BND
+
+    def hidden_states_cached(self, input_ids_BS, mask=None, position_ids_BS=None, kv_cache=None, cache_index=0):
+        """`(hidden states [B, S, D], kv_cache)`, where `kv_cache` holds every layer's rotated keys and
+        values `([B, T, K, Dh], [B, T, K, Dh])` over the whole canvas.
+
+        Without `kv_cache` the `S` tokens are the whole canvas (`T = S`), as `hidden_states`. With one
+        (from an earlier call), they are canvas positions `cache_index ..`: each layer attends over the
+        cached keys/values with this window's fresh ones written in (an approximate cache: the other
+        positions keep the states of the canvas they were computed from). `mask` then covers the window's
+        queries against all `T` keys (`[B, T]` key padding, or `[B, 1, S, T]`).
+        """
+        h_BSD, _, kv_cache = self._decode(input_ids_BS, mask, position_ids_BS, kv_cache, cache_index)
+        return h_BSD, kv_cache
+
+    def _decode(self, input_ids_BS, mask, position_ids_BS, kv_cache=None, cache_index=0):
+        B, S = input_ids_BS.shape
+        if position_ids_BS is None:
+            position_ids_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         # Upstream computes cos/sin in float32 and casts them to the activation dtype.
-        cos, sin = rotary_cos_sin(self.config.head_dim, position_ids_BN, self.config.rope_theta)
+        cos, sin = rotary_cos_sin(self.config.head_dim, position_ids_BS, self.config.rope_theta)
         cos_sin = (cos.astype(self.dtype), sin.astype(self.dtype))
-        x_BND = self.embed_tokens(input_ids_BN)
-        states = [x_BND]
-        for layer in self.layers:
-            x_BND = layer(x_BND, cos_sin, mask)
-            states.append(x_BND)
-        x_BND = self.norm(x_BND)
-        if all_layers:
-            return x_BND, states[:-1] + [x_BND]
-        return x_BND
+        x_BSD = self.embed_tokens(input_ids_BS)
+        states, new_cache = [x_BSD], []
+        for i, layer in enumerate(self.layers):
+            x_BSD, kv = layer(x_BSD, cos_sin, mask, None if kv_cache is None else kv_cache[i], cache_index)
+            states.append(x_BSD)
+            new_cache.append(kv)
+        return self.norm(x_BSD), states, new_cache
 
     def head(self, h_BND: jax.Array) -> jax.Array:
         if self.lm_head is None:
@@ -101,7 +128,10 @@ class DreamModel(nnx.Module):
         """Raw logits `[B, N, V]` in the model dtype, as `DreamModel(...).logits` (compiled; position `j`
         scores the token at `j` from the hidden state at `j`; the sampler shifts by one)."""
         input_ids, attention_mask, position_ids = self.place_batch(
-            np.asarray(input_ids, np.int32), attention_mask, None if position_ids is None else np.asarray(position_ids, np.int32))
+            np.asarray(input_ids, np.int32),
+            attention_mask,
+            None if position_ids is None else np.asarray(position_ids, np.int32),
+        )
         return _jit_forward(*nnx.split(self), input_ids, attention_mask, position_ids, output_hidden_states)
 
     def diffusion_generate(self, input_ids, attention_mask=None, **kwargs):
@@ -111,7 +141,9 @@ class DreamModel(nnx.Module):
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _jit_forward(graphdef, state, input_ids, attention_mask, position_ids, output_hidden_states):
-    return nnx.merge(graphdef, state).forward(input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states)
+    return nnx.merge(graphdef, state).forward(
+        input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
+    )
 
 
 def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:

@@ -1,53 +1,49 @@
 """Hugging Face safetensors <-> Dream parameters, read tensor by tensor straight onto the devices.
 
-Each tensor is memory-mapped and copied piece by piece into the device buffers of its
-sharding (`jax.make_array_from_callback`), so the host never holds more than one tensor
-(a 7B bf16 checkpoint loads with far less free RAM than its 15 GB).
+Each device reads only its own piece of each tensor (`safe_open(...).get_slice(name)[index]` inside
+`jax.make_array_from_callback`), so the host never holds more than one tensor (a 7B bf16 checkpoint
+loads with far less free RAM than its 15 GB).
 """
 
 import functools
 import json
 import math
-import struct
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from safetensors import SafetensorError, safe_open
 
-from jaxport.distributed.mesh import logical_sharding
+from jaxport.distributed.mesh import logical_sharding, make_mesh
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.model import DreamModel
-from jaxport.errors import JaxportError
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-# safetensors dtype tags -> numpy; bfloat16 through ml_dtypes (numpy has none).
-_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+from jaxport.dtypes import float_dtype
+from jaxport.errors import JaxportError, write_error
 
 # Logical axis names per checkpoint-name suffix (see jaxport.distributed.mesh.LOGICAL_AXIS_RULES).
 _LOGICAL_AXES = {
     "embed_tokens.weight": ("vocab", "embed"),
-    "q_proj.weight": ("heads", "embed"), "q_proj.bias": ("heads",),
-    "k_proj.weight": ("kv_heads", "embed"), "k_proj.bias": ("kv_heads",),
-    "v_proj.weight": ("kv_heads", "embed"), "v_proj.bias": ("kv_heads",),
+    "q_proj.weight": ("heads", "embed"),
+    "q_proj.bias": ("heads",),
+    "k_proj.weight": ("kv_heads", "embed"),
+    "k_proj.bias": ("kv_heads",),
+    "v_proj.weight": ("kv_heads", "embed"),
+    "v_proj.bias": ("kv_heads",),
     "o_proj.weight": ("embed", "heads"),
-    "gate_proj.weight": ("mlp", "embed"), "up_proj.weight": ("mlp", "embed"),
+    "gate_proj.weight": ("mlp", "embed"),
+    "up_proj.weight": ("mlp", "embed"),
     "down_proj.weight": ("embed", "mlp"),
-    "norm.weight": (None,), "layernorm.weight": (None,),
+    "norm.weight": (None,),
+    "layernorm.weight": (None,),
     "lm_head.weight": ("vocab", "embed"),
 }
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return jnp.dtype(DTYPES[dtype])
-    if not isinstance(dtype, str) and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return jnp.dtype(dtype)
-    raise JaxportError(f"unsupported dtype {dtype!r}: choose 'float32' or 'bfloat16'")
+    return float_dtype(dtype)
 
 
 def checkpoint_name(path: tuple) -> str:
@@ -69,51 +65,28 @@ def param_sharding(mesh: Mesh | None, name: str, shape: tuple) -> jax.sharding.S
     does not divide evenly. Without a mesh, the default device."""
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    spec = logical_sharding(mesh, *logical_axes(name)).spec
-    fitted = []
-    for size, axes in zip(shape, spec):
-        names = (axes,) if isinstance(axes, str) else (axes or ())
-        fitted.append(axes if size % math.prod(mesh.shape[a] for a in names) == 0 else None)
-    return NamedSharding(mesh, P(*fitted))
+    return logical_sharding(mesh, *logical_axes(name), shape=shape)
 
 
-class SafetensorsFile:
-    """Lazy view of one `.safetensors` file: name -> memory-mapped numpy array.
+def parse_mesh(spec: str | None) -> Mesh | None:
+    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over every device (None without a spec)."""
+    if not spec:
+        return None
+    try:
+        data, fsdp, model = (int(v) for v in spec.split(","))
+        return make_mesh(data=data, fsdp=fsdp, model=model)
+    except ValueError as err:
+        raise JaxportError(
+            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {jax.device_count()} devices ({err})"
+        ) from None
 
-    Written here rather than using `safetensors.safe_open` because its numpy backend has
-    no bfloat16 and its flax backend stages every slice on the default accelerator.
-    """
 
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                self.header = json.loads(f.read(header_len))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise JaxportError(f"{path} is not a readable safetensors file: {err}") from None
-        self.header.pop("__metadata__", None)
-        self.data_start = 8 + header_len
-
-    def keys(self):
-        return self.header.keys()
-
-    def info(self, name: str) -> tuple[tuple, str]:
-        entry = self.header[name]
-        return tuple(entry["shape"]), entry["dtype"]
-
-    def tensor(self, name: str) -> np.ndarray:
-        entry = self.header[name]
-        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise JaxportError(f"{self.path}: tensor {name} has dtype {entry['dtype']}; "
-                               f"expected one of {', '.join(_SAFETENSORS_DTYPES)}")
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if end - begin != math.prod(shape) * np.dtype(dtype).itemsize:
-            raise JaxportError(f"{self.path}: tensor {name} holds {end - begin} bytes, "
-                               f"which does not fit shape {list(shape)} of {entry['dtype']}")
-        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=shape)
+def open_safetensors(path: Path):
+    """`safe_open` with numpy arrays (bfloat16 included); an unreadable file is one error naming it."""
+    try:
+        return safe_open(path, framework="numpy")
+    except (OSError, SafetensorError) as err:
+        raise JaxportError(f"{path} is not a readable safetensors file: {err}") from None
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -127,17 +100,22 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
             raise JaxportError(f"{index} is not a safetensors index (no weight_map): {err}") from None
         missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
         if missing:
-            raise JaxportError(f"missing shard {model_dir / missing[0]} (listed in {index.name}"
-                               + (f", with {len(missing) - 1} more" if len(missing) > 1 else "") + ")")
+            raise JaxportError(
+                f"missing shard {model_dir / missing[0]} (listed in {index.name}"
+                + (f", with {len(missing) - 1} more" if len(missing) > 1 else "")
+                + ")"
+            )
         return {name: model_dir / f for name, f in weight_map.items()}
     if single.is_file():
-        return {name: single for name in SafetensorsFile(single).keys()}
+        with open_safetensors(single) as f:
+            return {name: single for name in f.keys()}
     raise JaxportError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def _put(array: np.ndarray, dtype, sharding) -> jax.Array:
-    """One tensor onto its devices; each device reads (and converts) only its own piece."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: np.asarray(array[index], dtype=dtype))
+def _put(tensor, shape: tuple, dtype, sharding) -> jax.Array:
+    """One tensor (an array, or a safetensors slice read on demand) onto its devices; each device reads
+    (and converts) only its own piece."""
+    return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(tensor[index], dtype=dtype))
 
 
 def abstract_model(cfg: DreamConfig, dtype, mesh: Mesh | None) -> DreamModel:
@@ -156,39 +134,127 @@ def load_model(model_dir: str | Path, cfg: DreamConfig, dtype="float32", mesh: M
     model_dir = Path(model_dir)
     dtype = resolve_dtype(dtype)
     files = checkpoint_files(model_dir)
-    opened: dict[Path, SafetensorsFile] = {}
+    opened: dict[Path, object] = {}
     model = abstract_model(cfg, dtype, mesh)
     for name, var in _variables(model):
         if name not in files:
-            raise JaxportError(f"{model_dir}: checkpoint has no tensor {name} "
-                               f"(config: {cfg.num_hidden_layers} layers, tie_word_embeddings="
-                               f"{cfg.tie_word_embeddings})")
+            raise JaxportError(
+                f"{model_dir}: checkpoint has no tensor {name} "
+                f"(config: {cfg.num_hidden_layers} layers, tie_word_embeddings="
+                f"{cfg.tie_word_embeddings})"
+            )
         path = files[name]
         if path not in opened:
-            opened[path] = SafetensorsFile(path)
+            opened[path] = open_safetensors(path)
         if name not in opened[path].keys():
             raise JaxportError(f"{path} has no tensor {name} although the index lists it there")
-        shape, _ = opened[path].info(name)
+        tensor = opened[path].get_slice(name)
+        shape = tuple(tensor.get_shape())
         expected = tuple(var.get_value().shape)
         if shape != expected:
-            raise JaxportError(f"{path}: tensor {name} has shape {list(shape)} but config.json implies "
-                               f"{list(expected)}")
-        var.set_value(_put(opened[path].tensor(name), dtype, param_sharding(mesh, name, shape)))
+            raise JaxportError(
+                f"{path}: tensor {name} has shape {list(shape)} but config.json implies {list(expected)}"
+            )
+        try:
+            var.set_value(_put(tensor, shape, dtype, param_sharding(mesh, name, shape)))
+        except (SafetensorError, TypeError, ValueError) as err:
+            raise JaxportError(
+                f"{path}: tensor {name} ({tensor.get_dtype()} {list(shape)}) cannot be read: {err}"
+            ) from None
     return model
 
 
 def random_model(cfg: DreamConfig, dtype="float32", mesh: Mesh | None = None, seed: int = 0) -> DreamModel:
-    """Random weights drawn directly on the devices, one tensor at a time (for benchmarks)."""
+    """Random weights as upstream's `_init_weights` draws them (normal with std `initializer_range`, zero
+    biases, unit norms), directly on the devices, one tensor at a time (for benchmarks and training from
+    scratch)."""
     dtype = resolve_dtype(dtype)
     model = abstract_model(cfg, dtype, mesh)
     key = jax.random.key(seed)
     for i, (name, var) in enumerate(_variables(model)):
         shape = tuple(var.get_value().shape)
-        init = jax.jit(functools.partial(_random_tensor, shape=shape, dtype=dtype, ones=name.endswith("norm.weight")),
-                       out_shardings=param_sharding(mesh, name, shape))
+        fill = 1.0 if name.endswith("norm.weight") else 0.0 if name.endswith("bias") else None
+        init = _initializer(shape, dtype, fill, cfg.initializer_range, param_sharding(mesh, name, shape))
         var.set_value(init(jax.random.fold_in(key, i)))
     return model
 
 
-def _random_tensor(key, *, shape, dtype, ones: bool):
-    return jnp.ones(shape, dtype) if ones else 0.02 * jax.random.normal(key, shape, dtype)
+@functools.lru_cache
+def _initializer(shape: tuple, dtype, fill: float | None, std: float, sharding):
+    """One compiled initializer per kind of tensor (the layers repeat the same few)."""
+
+    def init(key):
+        return jnp.full(shape, fill, dtype) if fill is not None else std * jax.random.normal(key, shape, dtype)
+
+    return jax.jit(init, out_shardings=sharding)
+
+
+def save_pretrained(
+    model: DreamModel,
+    output_dir: str | Path,
+    *,
+    dtype="float32",
+    max_shard_size: int | str = "5GB",
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write `model` as a Hugging Face Dream directory that `load_model` (and upstream's remote code) reads:
+    `config.json`, `generation_config.json`, `model.safetensors` (or `model-0000i-of-0000n.safetensors` with
+    `model.safetensors.index.json` above `max_shard_size`, e.g. "5GB", "200MB" or bytes) and, from
+    `tokenizer_dir`, the tokenizer files. Sharded weights are gathered one shard file at a time; in a
+    multi-host run every process must call this and process 0 writes."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+    from safetensors.numpy import save_file
+
+    from jaxport.distributed import gather_to_host
+    from jaxport.dream.tokenizer import copy_tokenizer_files
+
+    dtype = resolve_dtype(dtype)
+    output_dir = Path(output_dir)
+    writer = jax.process_index() == 0
+    variables = dict(_variables(model))
+    split = split_state_dict_into_shards_factory(
+        {name: var.get_value() for name, var in variables.items()},
+        filename_pattern="model{suffix}.safetensors",
+        get_storage_size=lambda x: math.prod(x.shape) * dtype.itemsize,
+        max_shard_size=max_shard_size,
+    )
+    if writer:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*output_dir.glob("model*.safetensors"), output_dir / "model.safetensors.index.json"]:
+            stale.unlink(missing_ok=True)
+    for filename, names in split.filename_to_tensors.items():
+        tensors = gather_to_host({name: variables[name].get_value() for name in names})
+        if writer:
+            try:
+                save_file(
+                    {name: np.asarray(t).astype(dtype) for name, t in tensors.items()},
+                    output_dir / filename,
+                    metadata={"format": "pt"},
+                )
+            except Exception as err:  # safetensors reports a full disk as its own SafetensorError
+                raise write_error(err, output_dir / filename) from None
+    if not writer:
+        return output_dir
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (output_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    cfg = model.config
+    (output_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype.name), indent=2) + "\n")
+    generation = {
+        "alg": "origin",
+        "alg_temp": None,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "eps": 0.001,
+        "mask_token_id": cfg.mask_token_id,
+        "output_history": False,
+        "pad_token_id": cfg.pad_token_id,
+        "steps": 512,
+        "temperature": 0.0,
+        "top_k": None,
+        "top_p": None,
+    }
+    (output_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, output_dir)
+    return output_dir

@@ -36,10 +36,14 @@ def _flags_help(title: str, defaults: dict) -> str:
 
 def prepare_main(argv: list[str]) -> int:
     from jaxport.gpt.data import prepare
+
     parser = argparse.ArgumentParser(prog="jaxport gpt prepare", description="prepare a nanoGPT data folder")
     parser.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "openwebtext", "text"])
-    parser.add_argument("--input", help="local copy of the corpus (default: download like nanoGPT); for "
-                                        "openwebtext a .jsonl file, a .txt file or a folder of .txt files")
+    parser.add_argument(
+        "--input",
+        help="local copy of the corpus (default: download like nanoGPT); for "
+        "openwebtext a .jsonl file, a .txt file or a folder of .txt files",
+    )
     parser.add_argument("--out_dir", help="output folder (default: data/DATASET)")
     parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"], help="for `text`")
     parser.add_argument("--tokenizer_dir", help="folder with GPT-2's encoder.json and vocab.bpe, for offline use")
@@ -49,19 +53,22 @@ def prepare_main(argv: list[str]) -> int:
         flag = unknown[0].split("=")[0]
         close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
         raise JaxportError(f"unknown flag {flag}" + (f"; did you mean {', '.join(close)}?" if close else ""))
-    prepare(args.dataset, args.out_dir, input_file=args.input, tokenizer=args.tokenizer,
-            tokenizer_dir=args.tokenizer_dir)
+    prepare(
+        args.dataset, args.out_dir, input_file=args.input, tokenizer=args.tokenizer, tokenizer_dir=args.tokenizer_dir
+    )
     return 0
 
 
 def train_main(argv: list[str]) -> int:
     from jaxport.gpt import train
     from jaxport.gpt.configurator import configure
+
     defaults = {**train.DEFAULTS, **train.EXTRA, "progress": sys.stderr.isatty()}
     if any(a in ("-h", "--help") for a in argv):
         print(_flags_help("usage: jaxport gpt train [CONFIG ...] [--key=value ...]\n\nflags and defaults:", defaults))
         return 0
     from jaxport.distributed import initialize_from_argv
+
     train.train(configure(initialize_from_argv(argv), defaults))
     return 0
 
@@ -69,12 +76,19 @@ def train_main(argv: list[str]) -> int:
 def export_main(argv: list[str]) -> int:
     from jaxport.gpt import train
     from jaxport.gpt.configurator import configure
+
     defaults = dict(out_dir="out", device="cpu")
     if any(a in ("-h", "--help") for a in argv):
-        print(_flags_help("usage: jaxport gpt export [--out_dir=DIR] [--device=cpu]\n\nwrites DIR/ckpt.pt (nanoGPT's "
-                          "format) from the run's newest jaxport checkpoint\n\nflags and defaults:", defaults))
+        print(
+            _flags_help(
+                "usage: jaxport gpt export [--out_dir=DIR] [--device=cpu]\n\nwrites DIR/ckpt.pt (nanoGPT's "
+                "format) from the run's newest jaxport checkpoint\n\nflags and defaults:",
+                defaults,
+            )
+        )
         return 0
     from jaxport.distributed import initialize_from_argv
+
     cfg = configure(initialize_from_argv(argv), defaults)
     print(f"wrote {train.export(cfg['out_dir'], cfg['device'])}")
     return 0
@@ -82,6 +96,7 @@ def export_main(argv: list[str]) -> int:
 
 def sample_main(argv: list[str]) -> int:
     from jaxport.gpt import sample
+
     if any(a in ("-h", "--help") for a in argv):
         print(_flags_help("usage: jaxport gpt sample [--key=value ...]\n\nflags and defaults:", sample.DEFAULTS))
         return 0
@@ -98,6 +113,8 @@ def main(argv: list[str]) -> int:
     action = ACTIONS.get(argv[0])
     if action is None:
         close = difflib.get_close_matches(argv[0], list(ACTIONS), n=1)
-        raise JaxportError(f"unknown action {argv[0]!r}" + (f"; did you mean {close[0]!r}?" if close else
-                                                               f"; use {', '.join(ACTIONS)}"))
+        raise JaxportError(
+            f"unknown action {argv[0]!r}"
+            + (f"; did you mean {close[0]!r}?" if close else f"; use {', '.join(ACTIONS)}")
+        )
     return action(argv[1:])

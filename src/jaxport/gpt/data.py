@@ -64,7 +64,7 @@ def prepare_char(text: str, out_dir: str | os.PathLike) -> dict:
     itos = {i: ch for i, ch in enumerate(chars)}
     n = len(text)
     train_ids = [stoi[c] for c in text[: int(n * 0.9)]]
-    val_ids = [stoi[c] for c in text[int(n * 0.9):]]
+    val_ids = [stoi[c] for c in text[int(n * 0.9) :]]
     print(f"train has {len(train_ids):,} tokens")
     print(f"val has {len(val_ids):,} tokens")
     _write_ids(train_ids, out_dir / "train.bin")
@@ -79,28 +79,40 @@ def gpt2_encoding(tokenizer_dir: str | os.PathLike | None = None):
     """tiktoken's `gpt2` encoding. With `tokenizer_dir` (or $JAXPORT_GPT2_TOKENIZER) it is built
     from that folder's encoder.json and vocab.bpe, checked against OpenAI's hashes, offline."""
     import tiktoken
+
     tokenizer_dir = tokenizer_dir or os.environ.get("JAXPORT_GPT2_TOKENIZER")
     if tokenizer_dir is None:
         try:
             return tiktoken.get_encoding("gpt2")
         except Exception as err:  # network errors come in many types
-            raise JaxportError(f"cannot load tiktoken's gpt2 encoding ({type(err).__name__}); offline, put "
-                               f"encoder.json and vocab.bpe from {GPT2_FILES_URL} in a folder and pass "
-                               f"--tokenizer_dir=FOLDER (or set JAXPORT_GPT2_TOKENIZER)") from None
+            raise JaxportError(
+                f"cannot load tiktoken's gpt2 encoding ({type(err).__name__}); offline, put "
+                f"encoder.json and vocab.bpe from {GPT2_FILES_URL} in a folder and pass "
+                f"--tokenizer_dir=FOLDER (or set JAXPORT_GPT2_TOKENIZER)"
+            ) from None
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
+
     folder = Path(tokenizer_dir)
     for name in GPT2_FILE_SHA256:
         if not (folder / name).is_file():
             raise JaxportError(f"GPT-2 tokenizer file missing: {folder / name} (get it from {GPT2_FILES_URL}/{name})")
     try:
         ranks = data_gym_to_mergeable_bpe_ranks(
-            str(folder / "vocab.bpe"), str(folder / "encoder.json"),
-            vocab_bpe_hash=GPT2_FILE_SHA256["vocab.bpe"], encoder_json_hash=GPT2_FILE_SHA256["encoder.json"])
+            str(folder / "vocab.bpe"),
+            str(folder / "encoder.json"),
+            vocab_bpe_hash=GPT2_FILE_SHA256["vocab.bpe"],
+            encoder_json_hash=GPT2_FILE_SHA256["encoder.json"],
+        )
     except ValueError as err:
         raise JaxportError(f"GPT-2 tokenizer files in {folder} are not OpenAI's: {err}") from None
-    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
+        explicit_n_vocab=50257,
+    )
 
 
 def prepare_bpe(text: str, out_dir: str | os.PathLike, enc) -> dict:
@@ -109,7 +121,7 @@ def prepare_bpe(text: str, out_dir: str | os.PathLike, enc) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     n = len(text)
     train_ids = enc.encode_ordinary(text[: int(n * 0.9)])
-    val_ids = enc.encode_ordinary(text[int(n * 0.9):])
+    val_ids = enc.encode_ordinary(text[int(n * 0.9) :])
     print(f"train has {len(train_ids):,} tokens")
     print(f"val has {len(val_ids):,} tokens")
     _write_ids(train_ids, out_dir / "train.bin")
@@ -121,6 +133,7 @@ def read_documents(source: str | os.PathLike) -> list[str]:
     """Documents of a local corpus: a .jsonl file (a "text" field per line), a folder of
     .txt files (one document each), or a text file (documents separated by blank lines)."""
     import json
+
     path = Path(source)
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))
@@ -136,7 +149,7 @@ def read_documents(source: str | os.PathLike) -> list[str]:
                 try:
                     docs.append(json.loads(line)["text"])
                 except (ValueError, KeyError, TypeError):
-                    raise JaxportError(f"{path}:{n} is not a JSON object with a \"text\" field") from None
+                    raise JaxportError(f'{path}:{n} is not a JSON object with a "text" field') from None
         return docs
     return [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
 
@@ -146,16 +159,20 @@ def prepare_openwebtext(out_dir: str | os.PathLike, enc, input_source=None, num_
     followed by <|endoftext|>, 0.05% of the documents (seed 2357) held out as val. The corpus
     is Hugging Face's `openwebtext` through `datasets`, or a local one (see read_documents)."""
     from tqdm import tqdm
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if input_source is None:
         try:
             import datasets
         except ImportError:
-            raise JaxportError("preparing openwebtext needs the `datasets` package (pip install datasets) "
-                               "and network access, or a local corpus: --input FILE.jsonl|FILE.txt|FOLDER") from None
+            raise JaxportError(
+                "preparing openwebtext needs the `datasets` package (pip install datasets) "
+                "and network access, or a local corpus: --input FILE.jsonl|FILE.txt|FOLDER"
+            ) from None
         split = datasets.load_dataset("openwebtext", num_proc=num_proc)["train"].train_test_split(
-            test_size=0.0005, seed=2357, shuffle=True)
+            test_size=0.0005, seed=2357, shuffle=True
+        )
         splits = {"train": split["train"]["text"], "val": split["test"]["text"]}
     else:
         docs = read_documents(input_source)
@@ -176,8 +193,9 @@ def prepare_openwebtext(out_dir: str | os.PathLike, enc, input_source=None, num_
     return {**counts, "vocab_size": enc.n_vocab}
 
 
-def prepare(dataset: str, out_dir: str | os.PathLike | None = None, input_file=None, tokenizer: str = "char",
-            tokenizer_dir=None) -> dict:
+def prepare(
+    dataset: str, out_dir: str | os.PathLike | None = None, input_file=None, tokenizer: str = "char", tokenizer_dir=None
+) -> dict:
     """`jaxport gpt prepare`: shakespeare_char, shakespeare (GPT-2 BPE), openwebtext (GPT-2 BPE,
     documents ended by <|endoftext|>) or text (any local file)."""
     out_dir = Path(out_dir or Path("data") / dataset)
@@ -200,6 +218,7 @@ def prepare(dataset: str, out_dir: str | os.PathLike | None = None, input_file=N
 
 
 # -- reading -------------------------------------------------------------------------------------
+
 
 def load_meta(path: str | os.PathLike) -> dict | None:
     path = Path(path)
@@ -228,20 +247,25 @@ class Batches:
         for split in ("train", "val"):
             path = self.data_dir / f"{split}.bin"
             if not path.exists():
-                raise JaxportError(f"data folder {self.data_dir} has no {split}.bin; create it with "
-                                   f"`jaxport gpt prepare shakespeare_char` (or shakespeare, text) "
-                                   f"or point --dataset/--data_dir at a prepared folder")
+                raise JaxportError(
+                    f"data folder {self.data_dir} has no {split}.bin; create it with "
+                    f"`jaxport gpt prepare shakespeare_char` (or shakespeare, text) "
+                    f"or point --dataset/--data_dir at a prepared folder"
+                )
             size = path.stat().st_size
             if size % 2:
-                raise JaxportError(f"{path} has {size} bytes, not a whole number of 2-byte (uint16) ids: it is "
-                                   f"truncated or not a nanoGPT .bin file; prepare it again")
+                raise JaxportError(
+                    f"{path} has {size} bytes, not a whole number of 2-byte (uint16) ids: it is "
+                    f"truncated or not a nanoGPT .bin file; prepare it again"
+                )
             n = size // 2
             if n <= block_size:
                 raise JaxportError(f"{path} holds {n} ids, fewer than block_size + 1 = {block_size + 1}")
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
 
-    def get(self, split: str, shape: tuple[int, ...] = (), draw: int = 0,
-            purpose: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    def get(
+        self, split: str, shape: tuple[int, ...] = (), draw: int = 0, purpose: str = "train"
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(x, y) int32 of shape (*shape, batch_size, block_size); y is x shifted by one id."""
         rng = np.random.default_rng([self.seed, self.PURPOSES.index(purpose), ("train", "val").index(split), draw])
         # a fresh memmap each call, as nanoGPT does, so its pages do not pile up in memory

@@ -150,8 +150,7 @@ class GPT(nnx.Module):
     # -- forward ---------------------------------------------------------------------------
     def _check_length(self, T: int):
         if T > self.config.block_size:
-            raise JaxportError(f"cannot forward a sequence of length {T}: block_size is only "
-                               f"{self.config.block_size}")
+            raise JaxportError(f"cannot forward a sequence of length {T}: block_size is only {self.config.block_size}")
 
     def hidden_states(self, idx_BT, rng=None, cache=None, pos=0):
         T = idx_BT.shape[1]
@@ -168,8 +167,9 @@ class GPT(nnx.Module):
     def lm_head(self, x_BTC):
         B, T, C = x_BTC.shape
         # logits in the compute dtype, as under nanoGPT's autocast; the loss takes them in float32
-        logits = jax.lax.dot_general(x_BTC.reshape(B * T, C), self.wte[...].astype(x_BTC.dtype),
-                                     (((1,), (1,)), ((), ())))
+        logits = jax.lax.dot_general(
+            x_BTC.reshape(B * T, C), self.wte[...].astype(x_BTC.dtype), (((1,), (1,)), ((), ()))
+        )
         return logits.reshape(B, T, -1).astype(jnp.float32)
 
     def __call__(self, idx, targets=None, rng=None):
@@ -188,12 +188,12 @@ class GPT(nnx.Module):
         return logits, cross_entropy(logits, targets)
 
     @classmethod
-    def init(cls, config: GPTConfig, seed: int = 0, dtype=jnp.float32) -> "GPT":
+    def init(cls, config: GPTConfig, seed: int = 0, dtype=jnp.float32) -> GPT:
         """A freshly initialised model, built in one compiled program (eager init is slow)."""
         return nnx.jit(lambda: cls(config, rngs=nnx.Rngs(seed), dtype=dtype))()
 
     @classmethod
-    def abstract(cls, config: GPTConfig, dtype=jnp.float32) -> "GPT":
+    def abstract(cls, config: GPTConfig, dtype=jnp.float32) -> GPT:
         """The model's structure with shapes only, for loading weights into (no init cost)."""
         return nnx.eval_shape(lambda: cls(config, dtype=dtype))
 
@@ -207,8 +207,10 @@ class GPT(nnx.Module):
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context, e.g. to fine-tune GPT-2 (1024) with a smaller block."""
         if block_size > self.config.block_size:
-            raise JaxportError(f"block_size {block_size} is larger than the model's block_size "
-                               f"{self.config.block_size}; it can only be cropped")
+            raise JaxportError(
+                f"block_size {block_size} is larger than the model's block_size "
+                f"{self.config.block_size}; it can only be cropped"
+            )
         self.config = dataclasses.replace(self.config, block_size=block_size)
         self.wpe = nnx.Param(self.wpe[...][:block_size])
 
@@ -218,8 +220,16 @@ class GPT(nnx.Module):
         return estimate_mfu(self.get_num_params(), self.config, fwdbwd_per_iter, dt, peak_flops)
 
     # -- generation ------------------------------------------------------------------------
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 rng=None, *, return_logits: bool = False):
+    def generate(
+        self,
+        idx,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        rng=None,
+        *,
+        return_logits: bool = False,
+    ):
         """Append `max_new_tokens` sampled ids to `idx` [B, P], as nanoGPT's generate.
 
         A KV cache serves every step whose context still fits in block_size; past that,
@@ -231,13 +241,14 @@ class GPT(nnx.Module):
         rng = jax.random.key(0) if rng is None else rng
         top_k = None if top_k is None else min(int(top_k), self.config.vocab_size)
         graphdef, state = nnx.split(self)
-        tokens, logits = _generate(graphdef, state, idx, rng, jnp.float32(temperature),
-                                   max_new_tokens=int(max_new_tokens), top_k=top_k)
+        tokens, logits = _generate(
+            graphdef, state, idx, rng, jnp.float32(temperature), max_new_tokens=int(max_new_tokens), top_k=top_k
+        )
         return (tokens, logits) if return_logits else tokens
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
-    def from_state_dict(cls, config: GPTConfig, state_dict: dict, source: str) -> "GPT":
+    def from_state_dict(cls, config: GPTConfig, state_dict: dict, source: str) -> GPT:
         """A model of `config` holding a nanoGPT-named state dict; every key and shape is checked."""
         model = cls.abstract(config)
         graphdef, abstract = nnx.split(model)
@@ -245,17 +256,18 @@ class GPT(nnx.Module):
         weights = params.nanogpt_weights(state_dict, config, source)
         for name, value in weights.items():
             if value.shape != expected[name].shape:
-                raise JaxportError(f"{source}: {name} has shape {list(value.shape)}, the model expects "
-                                   f"{list(expected[name].shape)}")
+                raise JaxportError(
+                    f"{source}: {name} has shape {list(value.shape)}, the model expects {list(expected[name].shape)}"
+                )
         return nnx.merge(graphdef, params.named_to_tree({k: jnp.asarray(v, jnp.float32) for k, v in weights.items()}))
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, **overrides) -> "GPT":
+    def from_checkpoint(cls, path: str | Path, **overrides) -> GPT:
         """A nanoGPT `ckpt.pt` (keys with or without `_orig_mod.`), or a run folder holding one."""
         return load_checkpoint(path, **overrides).model
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, override_args: dict | None = None) -> "GPT":
+    def from_pretrained(cls, name_or_path: str | Path, override_args: dict | None = None) -> GPT:
         """GPT-2 weights from a local Hugging Face directory (save_pretrained or hub layout),
         or `gpt2`/`gpt2-medium`/`gpt2-large`/`gpt2-xl` resolved as params.resolve_pretrained says."""
         override_args = dict(override_args or {})
@@ -270,6 +282,7 @@ class GPT(nnx.Module):
 @dataclasses.dataclass
 class Checkpoint:
     """What a nanoGPT ckpt.pt holds, with the model built and loaded."""
+
     model: GPT
     path: Path
     iter_num: int
@@ -287,17 +300,25 @@ def load_checkpoint(path: str | Path, **overrides) -> Checkpoint:
     model = GPT.from_state_dict(config, ckpt["model"], str(path))
     if block_size is not None and block_size != config.block_size:
         if block_size > config.block_size:
-            raise JaxportError(f"block_size={block_size} is larger than the checkpoint's block_size "
-                               f"{config.block_size} ({path}); use at most {config.block_size}")
+            raise JaxportError(
+                f"block_size={block_size} is larger than the checkpoint's block_size "
+                f"{config.block_size} ({path}); use at most {config.block_size}"
+            )
         model.crop_block_size(block_size)
     best = ckpt.get("best_val_loss", float("inf"))
-    return Checkpoint(model=model, path=path, iter_num=int(ckpt.get("iter_num", 0)),
-                      best_val_loss=float(np.asarray(best)), config=dict(ckpt.get("config") or {}),
-                      optimizer=ckpt.get("optimizer"))
+    return Checkpoint(
+        model=model,
+        path=path,
+        iter_num=int(ckpt.get("iter_num", 0)),
+        best_val_loss=float(np.asarray(best)),
+        config=dict(ckpt.get("config") or {}),
+        optimizer=ckpt.get("optimizer"),
+    )
 
 
-def estimate_mfu(num_params: int, config: GPTConfig, fwdbwd_per_iter: int, dt: float,
-                 peak_flops: float = A100_BF16_PEAK) -> float:
+def estimate_mfu(
+    num_params: int, config: GPTConfig, fwdbwd_per_iter: int, dt: float, peak_flops: float = A100_BF16_PEAK
+) -> float:
     """`GPT.estimate_mfu` from a parameter count (`get_num_params()`, counted once per run)."""
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
     flops_per_token = 6 * num_params + 12 * L * H * Q * T
@@ -354,7 +375,8 @@ def _generate(graphdef, state, idx_BP, rng, temperature, *, max_new_tokens: int,
             return out, step_logits, cache, model.lm_head(x)[:, 0], rng
 
         out, step_logits, _, _, rng = jax.lax.fori_loop(
-            0, n_cached, cached_step, (out, step_logits, cache, logits, rng))
+            0, n_cached, cached_step, (out, step_logits, cache, logits, rng)
+        )
 
     # Later steps crop the context to its last T ids, as nanoGPT does.
     def cropped_step(i, carry):

@@ -22,15 +22,29 @@ from jaxport.errors import JaxportError
 from jaxport.gpt.config import GPTConfig
 
 # nanoGPT state-dict key -> path in `nnx.state(GPT)`; the tied lm_head is wte itself (no entry)
-NAMES = NameTable([("transformer.wte.weight", "wte"), ("transformer.wpe.weight", "wpe"),
-                   ("transformer.h.{i}.{rest}", "h.{i}.{rest}"), ("transformer.ln_f.{name}", "ln_f.{name}")])
+NAMES = NameTable(
+    [
+        ("transformer.wte.weight", "wte"),
+        ("transformer.wpe.weight", "wpe"),
+        ("transformer.h.{i}.{rest}", "h.{i}.{rest}"),
+        ("transformer.ln_f.{name}", "ln_f.{name}"),
+    ]
+)
 # Logical axes of each parameter, by the end of its path (jaxport.distributed's rules put `embed` on the
 # mesh's fsdp axis, `heads`/`mlp`/`vocab` on its model axis).
-LOGICAL_AXES = (("wte", ("vocab", "embed")), ("wpe", (None, "embed")),
-                ("attn.c_attn.weight", ("heads", "embed")), ("attn.c_attn.bias", ("heads",)),
-                ("attn.c_proj.weight", ("embed", "heads")), ("mlp.c_fc.weight", ("mlp", "embed")),
-                ("mlp.c_fc.bias", ("mlp",)), ("mlp.c_proj.weight", ("embed", "mlp")),
-                ("c_proj.bias", ("embed",)), ("weight", ("embed",)), ("bias", ("embed",)))  # LayerNorms last
+LOGICAL_AXES = (
+    ("wte", ("vocab", "embed")),
+    ("wpe", (None, "embed")),
+    ("attn.c_attn.weight", ("heads", "embed")),
+    ("attn.c_attn.bias", ("heads",)),
+    ("attn.c_proj.weight", ("embed", "heads")),
+    ("mlp.c_fc.weight", ("mlp", "embed")),
+    ("mlp.c_fc.bias", ("mlp",)),
+    ("mlp.c_proj.weight", ("embed", "mlp")),
+    ("c_proj.bias", ("embed",)),
+    ("weight", ("embed",)),
+    ("bias", ("embed",)),
+)  # LayerNorms last
 COMPILE_PREFIX = "_orig_mod."  # torch.compile'd models save their keys under this prefix
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 GPT2_SIZES = {  # nanoGPT's from_pretrained table
@@ -103,13 +117,16 @@ def nanogpt_weights(state_dict: dict, config: GPTConfig, source: str) -> dict:
     missing = [k for k in expected if k not in sd]
     unexpected = sorted(set(sd) - set(expected) - {"lm_head.weight"})
     if missing or unexpected:
-        raise JaxportError(f"{source}: state dict does not fit the model (n_layer={config.n_layer}, "
-                           f"bias={config.bias}): missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
-                           f"unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
+        raise JaxportError(
+            f"{source}: state dict does not fit the model (n_layer={config.n_layer}, "
+            f"bias={config.bias}): missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+            f"unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}"
+        )
     return {k: np.asarray(sd[k]) for k in expected}
 
 
 # -- nanoGPT ckpt.pt ----------------------------------------------------------------------------
+
 
 def checkpoint_path(path: str | os.PathLike) -> Path:
     path = Path(path)
@@ -117,8 +134,9 @@ def checkpoint_path(path: str | os.PathLike) -> Path:
         path = path / "ckpt.pt"
     if not path.exists():
         hint = "" if path.parent.exists() else f" (folder {path.parent} does not exist either)"
-        raise JaxportError(f"checkpoint not found: {path}{hint}; train one with `jaxport gpt train` "
-                           f"or point to a nanoGPT out_dir")
+        raise JaxportError(
+            f"checkpoint not found: {path}{hint}; train one with `jaxport gpt train` or point to a nanoGPT out_dir"
+        )
     return path
 
 
@@ -132,6 +150,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
 
 
 # -- Hugging Face GPT-2 -------------------------------------------------------------------------
+
 
 def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
     """A local directory as is; a GPT-2 name (`gpt2`, `gpt2-medium`, ...) looked up in
@@ -152,14 +171,17 @@ def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
             if (c / "config.json").exists():
                 return c
     where = "; ".join(str(c) for c in candidates) or str(path)
-    raise JaxportError(f"GPT-2 weights {name!r} not found (looked in {where}). Put a Hugging Face GPT-2 "
-                       f"directory (config.json + model.safetensors) there, e.g. `huggingface-cli download "
-                       f"openai-community/{name if name in GPT2_SIZES else 'gpt2'} --local-dir DIR`, and pass "
-                       f"DIR or set JAXPORT_GPT2_DIR to its parent folder")
+    raise JaxportError(
+        f"GPT-2 weights {name!r} not found (looked in {where}). Put a Hugging Face GPT-2 "
+        f"directory (config.json + model.safetensors) there, e.g. `huggingface-cli download "
+        f"openai-community/{name if name in GPT2_SIZES else 'gpt2'} --local-dir DIR`, and pass "
+        f"DIR or set JAXPORT_GPT2_DIR to its parent folder"
+    )
 
 
 def _read_hf_weights(directory: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
+
     index = directory / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -199,12 +221,19 @@ def read_pretrained(name_or_path: str | os.PathLike) -> tuple[Path, GPTConfig, d
         raise JaxportError(f"{config_file}: model_type {hf.get('model_type')!r} is not gpt2")
     if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
         raise JaxportError(f"{config_file}: n_inner={hf['n_inner']} differs from 4*n_embd, which nanoGPT assumes")
-    config = GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                       block_size=hf["n_positions"], vocab_size=hf["vocab_size"], bias=True)
+    config = GPTConfig(
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        n_embd=hf["n_embd"],
+        block_size=hf["n_positions"],
+        vocab_size=hf["vocab_size"],
+        bias=True,
+    )
     return directory, config, hf_to_nanogpt_state_dict(_read_hf_weights(directory))
 
 
 # -- AdamW moments: torch state_dict <-> optax ---------------------------------------------------
+
 
 def torch_adamw_to_moments(optimizer: dict, config: GPTConfig, source: str) -> tuple[dict, dict, int, list]:
     """(exp_avg by name, exp_avg_sq by name, step, param_groups) from a torch AdamW state_dict."""
@@ -213,8 +242,10 @@ def torch_adamw_to_moments(optimizer: dict, config: GPTConfig, source: str) -> t
     state = optimizer.get("state", {})
     groups = optimizer.get("param_groups", [])
     if [len(g["params"]) for g in groups] != [len(decay), len(nodecay)]:
-        raise JaxportError(f"{source}: optimizer groups hold {[len(g['params']) for g in groups]} parameters, "
-                           f"the model has {len(decay)} decayed and {len(nodecay)} other ones")
+        raise JaxportError(
+            f"{source}: optimizer groups hold {[len(g['params']) for g in groups]} parameters, "
+            f"the model has {len(decay)} decayed and {len(nodecay)} other ones"
+        )
     mu, nu, steps = {}, {}, set()
     for i, name in enumerate(order):
         entry = state.get(i)
@@ -227,15 +258,33 @@ def torch_adamw_to_moments(optimizer: dict, config: GPTConfig, source: str) -> t
     return mu, nu, steps.pop(), groups
 
 
-def torch_adamw_state_dict(mu: dict, nu: dict, step: int, config: GPTConfig, lr: float, betas, eps: float,
-                           weight_decay: float) -> dict:
+def torch_adamw_state_dict(
+    mu: dict, nu: dict, step: int, config: GPTConfig, lr: float, betas, eps: float, weight_decay: float
+) -> dict:
     """A torch AdamW state_dict nanoGPT's `optimizer.load_state_dict` accepts."""
     decay, nodecay = optimizer_param_order(config)
-    state = {i: {"step": np.asarray(float(step), np.float32), "exp_avg": np.asarray(mu[n], np.float32),
-                 "exp_avg_sq": np.asarray(nu[n], np.float32)} for i, n in enumerate(decay + nodecay)}
-    group = dict(lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps), amsgrad=False,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=True)
-    groups = [{**group, "weight_decay": float(weight_decay), "params": list(range(len(decay)))},
-              {**group, "weight_decay": 0.0, "params": list(range(len(decay), len(decay) + len(nodecay)))}]
+    state = {
+        i: {
+            "step": np.asarray(float(step), np.float32),
+            "exp_avg": np.asarray(mu[n], np.float32),
+            "exp_avg_sq": np.asarray(nu[n], np.float32),
+        }
+        for i, n in enumerate(decay + nodecay)
+    }
+    group = dict(
+        lr=float(lr),
+        betas=tuple(float(b) for b in betas),
+        eps=float(eps),
+        amsgrad=False,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        decoupled_weight_decay=True,
+    )
+    groups = [
+        {**group, "weight_decay": float(weight_decay), "params": list(range(len(decay)))},
+        {**group, "weight_decay": 0.0, "params": list(range(len(decay), len(decay) + len(nodecay)))},
+    ]
     return {"state": state, "param_groups": groups}

@@ -18,6 +18,7 @@ from jaxport.typed_config import validate
 
 class FlagRanges(pydantic.BaseModel):
     """What sample.py's numbers may be (nanoGPT divides the logits by the temperature)."""
+
     model_config = pydantic.ConfigDict(extra="allow")
     num_samples: pydantic.PositiveInt
     max_new_tokens: pydantic.NonNegativeInt
@@ -29,9 +30,16 @@ DEFAULTS = dict(
     init_from="resume",  # or gpt2, gpt2-medium, gpt2-large, gpt2-xl
     out_dir="out",
     start="\n",  # or "<|endoftext|>", or "FILE:prompt.txt"
-    num_samples=10, max_new_tokens=500, temperature=0.8, top_k=200, seed=1337,
-    device="cuda", dtype="bfloat16", compile=False,
-    data_dir="data", tokenizer_dir="",  # jaxport's: data root for meta.pkl, offline GPT-2 BPE files
+    num_samples=10,
+    max_new_tokens=500,
+    temperature=0.8,
+    top_k=200,
+    seed=1337,
+    device="cuda",
+    dtype="bfloat16",
+    compile=False,
+    data_dir="data",
+    tokenizer_dir="",  # jaxport's: data root for meta.pkl, offline GPT-2 BPE files
 )
 
 
@@ -60,14 +68,18 @@ def load_codec(model: GPT, train_config: dict, cfg: dict):
         if meta is not None:
             print(f"Loading meta from {path}...")
             if int(meta["vocab_size"]) != model.config.vocab_size:
-                raise JaxportError(f"vocab mismatch: {path} has vocab_size {meta['vocab_size']} but the "
-                                   f"checkpoint's model has vocab_size {model.config.vocab_size}")
+                raise JaxportError(
+                    f"vocab mismatch: {path} has vocab_size {meta['vocab_size']} but the "
+                    f"checkpoint's model has vocab_size {model.config.vocab_size}"
+                )
             return char_codec(meta, path)
     print("No meta.pkl found, assuming GPT-2 encodings...")
     enc = gpt2_encoding(cfg["tokenizer_dir"] or None)
     if model.config.vocab_size < enc.n_vocab:
-        raise JaxportError(f"no meta.pkl found for this run ({', '.join(map(str, candidates))}) and its vocab_size "
-                           f"{model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}")
+        raise JaxportError(
+            f"no meta.pkl found for this run ({', '.join(map(str, candidates))}) and its vocab_size "
+            f"{model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}"
+        )
     return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
 
 
@@ -92,8 +104,9 @@ def sample(cfg: dict) -> list[str]:
         raise JaxportError("--start is empty: give at least one token of prompt")
     # all samples in one batch; each row draws its own tokens
     x = jax.device_put(np.tile(np.asarray(start_ids, np.int32), (cfg["num_samples"], 1)), devices[0])
-    y = model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"],
-                       rng=jax.random.key(cfg["seed"]))
+    y = model.generate(
+        x, cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"], rng=jax.random.key(cfg["seed"])
+    )
     texts = [decode(row.tolist()) for row in np.asarray(y)]
     for text in texts:
         print(text)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import math
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.distributed import fetch_replicated, gather_to_host, make_mesh, replicate, shard_batch, tree_shardings
+from jaxport.dtypes import float_dtype
 from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
@@ -44,23 +44,46 @@ from jaxport.typed_config import validate
 
 # nanoGPT train.py's globals, same names and defaults (GPT-2 124M on OpenWebText).
 DEFAULTS = dict(
-    out_dir="out", eval_interval=2000, log_interval=1, eval_iters=200, eval_only=False,
-    always_save_checkpoint=True, init_from="scratch",
-    wandb_log=False, wandb_project="owt", wandb_run_name="gpt2",
-    dataset="openwebtext", gradient_accumulation_steps=5 * 8, batch_size=12, block_size=1024,
-    n_layer=12, n_head=12, n_embd=768, dropout=0.0, bias=False,
-    learning_rate=6e-4, max_iters=600000, weight_decay=1e-1, beta1=0.9, beta2=0.95, grad_clip=1.0,
-    decay_lr=True, warmup_iters=2000, lr_decay_iters=600000, min_lr=6e-5,
-    backend="nccl", device="cuda", dtype="bfloat16", compile=True,
+    out_dir="out",
+    eval_interval=2000,
+    log_interval=1,
+    eval_iters=200,
+    eval_only=False,
+    always_save_checkpoint=True,
+    init_from="scratch",
+    wandb_log=False,
+    wandb_project="owt",
+    wandb_run_name="gpt2",
+    dataset="openwebtext",
+    gradient_accumulation_steps=5 * 8,
+    batch_size=12,
+    block_size=1024,
+    n_layer=12,
+    n_head=12,
+    n_embd=768,
+    dropout=0.0,
+    bias=False,
+    learning_rate=6e-4,
+    max_iters=600000,
+    weight_decay=1e-1,
+    beta1=0.9,
+    beta2=0.95,
+    grad_clip=1.0,
+    decay_lr=True,
+    warmup_iters=2000,
+    lr_decay_iters=600000,
+    min_lr=6e-5,
+    backend="nccl",
+    device="cuda",
+    dtype="bfloat16",
+    compile=True,
 )
 # jaxport's own: data root, seed, progress bar, FSDP ways (a divisor of the device count), orbax
 # checkpoints every N iterations besides nanoGPT's eval-time saves, and how many of them to keep
 # (the newest keep_last, plus every keep_every-th iteration).
-EXTRA = dict(data_dir="data", seed=1337, progress=True, fsdp=1, checkpoint_interval=None, keep_last=3,
-             keep_every=None)
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+EXTRA = dict(data_dir="data", seed=1337, progress=True, fsdp=1, checkpoint_interval=None, keep_last=3, keep_every=None)
 # torch.amp.GradScaler's defaults, which nanoGPT uses for float16
-LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000
+LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0**16, 2000
 Rate = pydantic.confloat(ge=0, allow_inf_nan=False)
 Fraction = pydantic.confloat(ge=0, lt=1)
 
@@ -68,6 +91,7 @@ Fraction = pydantic.confloat(ge=0, lt=1)
 class FlagRanges(pydantic.BaseModel):
     """The values nanoGPT's flags may take (their types the configurator has checked); outside them nanoGPT
     crashes mid-run or trains nonsense."""
+
     model_config = pydantic.ConfigDict(extra="allow")
     learning_rate: Rate
     min_lr: Rate
@@ -93,16 +117,17 @@ class FlagRanges(pydantic.BaseModel):
     @pydantic.model_validator(mode="after")
     def _decay_after_warmup(self):
         if self.model_extra["decay_lr"] and self.lr_decay_iters <= self.warmup_iters:
-            raise ValueError(f"lr_decay_iters ({self.lr_decay_iters}) must be larger than warmup_iters "
-                             f"({self.warmup_iters}) for the cosine decay (or --decay_lr=False)")
+            raise ValueError(
+                f"lr_decay_iters ({self.lr_decay_iters}) must be larger than warmup_iters "
+                f"({self.warmup_iters}) for the cosine decay (or --decay_lr=False)"
+            )
         return self
 
 
 def compute_dtype(dtype: str, platform: str):
     """nanoGPT autocasts only on GPUs: on the CPU it computes in float32 whatever --dtype says."""
-    if dtype not in COMPUTE_DTYPES:
-        raise JaxportError(f"--dtype={dtype}: use float32, bfloat16 or float16")
-    return jnp.float32 if platform == "cpu" else COMPUTE_DTYPES[dtype]
+    chosen = float_dtype(dtype, allowed=("float32", "bfloat16", "float16"), what="--dtype")
+    return jnp.dtype(jnp.float32) if platform == "cpu" else chosen
 
 
 def get_lr(it: int, cfg: dict) -> float:
@@ -127,28 +152,38 @@ def select_devices(device: str) -> list:
         fallback = jax.devices()
         print(f"--device={device}: no {platform} devices here, using {fallback[0].platform}")
         return fallback
-    return devices[int(device.split(":")[1]):][:1] if ":" in device else devices
+    return devices[int(device.split(":")[1]) :][:1] if ":" in device else devices
 
 
 def adamw(weight_decay: float, beta1: float, beta2: float, eps: float = 1e-8):
     """torch AdamW (decoupled decay p *= 1 - lr*wd, bias-corrected moments) on 2-D+ params only;
     the learning rate is a hyperparameter set every iteration."""
     return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(  # a callable mask is no schedule
-        learning_rate=0.0, b1=beta1, b2=beta2, eps=eps, weight_decay=weight_decay,
-        mask=lambda tree: jax.tree.map(lambda p: p.ndim >= 2, tree))
+        learning_rate=0.0,
+        b1=beta1,
+        b2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=lambda tree: jax.tree.map(lambda p: p.ndim >= 2, tree),
+    )
 
 
-def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = None
-                  ) -> tuple[GPT, Checkpoint | None]:
+def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = None) -> tuple[GPT, Checkpoint | None]:
     """train.py's init_from: a new model, the run's ckpt.pt (returned too), or GPT-2 weights. With
     `model_args` (a jaxport run's own checkpoint, restored afterwards) a model of that size."""
     init_from, ckpt = cfg["init_from"], None
     if model_args is not None:
         model = GPT.init(GPTConfig(**{**model_args, "dropout": cfg["dropout"]}), seed=cfg["seed"])
     elif init_from == "scratch":
-        model_args = dict(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                          block_size=cfg["block_size"], bias=cfg["bias"], dropout=cfg["dropout"],
-                          vocab_size=vocab_size if vocab_size is not None else 50304)
+        model_args = dict(
+            n_layer=cfg["n_layer"],
+            n_head=cfg["n_head"],
+            n_embd=cfg["n_embd"],
+            block_size=cfg["block_size"],
+            bias=cfg["bias"],
+            dropout=cfg["dropout"],
+            vocab_size=vocab_size if vocab_size is not None else 50304,
+        )
         model = GPT.init(GPTConfig(**model_args), seed=cfg["seed"])
     elif init_from == "resume":  # the architecture comes from the checkpoint, dropout from the flags
         ckpt = load_checkpoint(Path(cfg["out_dir"]) / "ckpt.pt", dropout=cfg["dropout"])
@@ -156,16 +191,22 @@ def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = N
     elif init_from.startswith("gpt2") or Path(init_from).is_dir():
         model = GPT.from_pretrained(init_from, dict(dropout=cfg["dropout"]))
     else:
-        raise JaxportError(f"--init_from={init_from}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, "
-                           f"gpt2-xl or a Hugging Face GPT-2 folder")
+        raise JaxportError(
+            f"--init_from={init_from}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, "
+            f"gpt2-xl or a Hugging Face GPT-2 folder"
+        )
     if cfg["block_size"] > model.config.block_size:
-        raise JaxportError(f"--block_size={cfg['block_size']} is larger than the {init_from} model's "
-                           f"block_size {model.config.block_size}")
+        raise JaxportError(
+            f"--block_size={cfg['block_size']} is larger than the {init_from} model's "
+            f"block_size {model.config.block_size}"
+        )
     if init_from not in ("scratch", "resume") and cfg["block_size"] < model.config.block_size:
         model.crop_block_size(cfg["block_size"])
     if vocab_size is not None and vocab_size != model.config.vocab_size:
-        raise JaxportError(f"the dataset's meta.pkl says vocab_size {vocab_size} but the {init_from} model "
-                           f"has vocab_size {model.config.vocab_size}")
+        raise JaxportError(
+            f"the dataset's meta.pkl says vocab_size {vocab_size} but the {init_from} model "
+            f"has vocab_size {model.config.vocab_size}"
+        )
     return model, ckpt
 
 
@@ -208,17 +249,31 @@ class Trainer:
             adam = self.adam_state()._replace(
                 count=jnp.asarray(step, jnp.int32),
                 mu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in mu.items()}),
-                nu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in nu.items()}))
+                nu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in nu.items()}),
+            )
             self.opt_state = self.opt_state._replace(inner_state=(adam, *self.opt_state.inner_state[1:]))
         # the AdamW moments are sharded as their parameters, everything else is replicated
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.opt_state = jax.device_put(self.opt_state, optax.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding, self.opt_state, param_shardings,
-            transform_non_params=lambda _: replicated))
+        self.opt_state = jax.device_put(
+            self.opt_state,
+            optax.tree_map_params(
+                self.optimizer,
+                lambda _, sharding: sharding,
+                self.opt_state,
+                param_shardings,
+                transform_non_params=lambda _: replicated,
+            ),
+        )
         self.loss_scale = replicate(self.loss_scale, self.mesh)
         state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
-        self._step = _make_train_step(self.graphdef, self.optimizer, cfg["grad_clip"], cfg["dropout"] > 0,
-                                      state_shardings, loss_scaling=self.dtype == jnp.float16)
+        self._step = _make_train_step(
+            self.graphdef,
+            self.optimizer,
+            cfg["grad_clip"],
+            cfg["dropout"] > 0,
+            state_shardings,
+            loss_scaling=self.dtype == jnp.float16,
+        )
         self._eval = _make_eval_step(self.graphdef)
 
     @property
@@ -234,9 +289,13 @@ class Trainer:
 
     def checkpoint_meta(self, iter_num: int, best_val_loss: float) -> dict:
         """What resuming needs beside the arrays (JSON)."""
-        return {"iter_num": int(iter_num), "best_val_loss": float(best_val_loss),
-                "model_args": self.model_config.to_model_args(), "config": dict(self.cfg),
-                "adamw": [list(self.betas), self.eps, self.weight_decay]}
+        return {
+            "iter_num": int(iter_num),
+            "best_val_loss": float(best_val_loss),
+            "model_args": self.model_config.to_model_args(),
+            "config": dict(self.cfg),
+            "adamw": [list(self.betas), self.eps, self.weight_decay],
+        }
 
     def _shard(self, *arrays):
         """Rows ([..., B, T]) over the mesh. With several processes, `arrays` are this process's rows."""
@@ -252,7 +311,8 @@ class Trainer:
         X, Y = self._shard(X, Y)
         rng = jax.random.key(self.cfg["seed"]) if rng is None else rng
         self.params, self.opt_state, self.loss_scale, losses, norm = self._step(
-            self.params, self.opt_state, self.loss_scale, X, Y, jnp.float32(lr), rng)
+            self.params, self.opt_state, self.loss_scale, X, Y, jnp.float32(lr), rng
+        )
         return losses, norm
 
     def eval_loss(self, X, Y):
@@ -268,15 +328,28 @@ class Trainer:
         params, mu, nu, step = gather_to_host((self.params, adam.mu, adam.nu, adam.count))
         cfg = self.model_config
         # an OrderedDict, as nanoGPT's model.state_dict() is
-        model_sd = collections.OrderedDict((k, np.asarray(v, np.float32))
-                                           for k, v in gpt_params.tree_to_named(params, cfg).items())
+        model_sd = collections.OrderedDict(
+            (k, np.asarray(v, np.float32)) for k, v in gpt_params.tree_to_named(params, cfg).items()
+        )
         model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]
         optimizer = gpt_params.torch_adamw_state_dict(
-            gpt_params.tree_to_named(mu, cfg), gpt_params.tree_to_named(nu, cfg), int(step), cfg, lr,
-            self.betas, self.eps, self.weight_decay)
-        return {"model": model_sd, "optimizer": optimizer, "model_args": cfg.to_model_args(),
-                "iter_num": int(iter_num), "best_val_loss": np.asarray(best_val_loss, np.float32),
-                "config": dict(self.cfg)}
+            gpt_params.tree_to_named(mu, cfg),
+            gpt_params.tree_to_named(nu, cfg),
+            int(step),
+            cfg,
+            lr,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+        )
+        return {
+            "model": model_sd,
+            "optimizer": optimizer,
+            "model_args": cfg.to_model_args(),
+            "iter_num": int(iter_num),
+            "best_val_loss": np.asarray(best_val_loss, np.float32),
+            "config": dict(self.cfg),
+        }
 
 
 def _make_train_step(graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool):
@@ -326,10 +399,12 @@ def _make_eval_step(graphdef):
     @jax.jit
     def evaluate(params, X, Y):
         return nnx.merge(graphdef, params).forward(X, Y)[1]
+
     return evaluate
 
 
 # -- the training loop -------------------------------------------------------------------------
+
 
 def data_folder(cfg: dict) -> Path:
     return Path(cfg["data_dir"]) / cfg["dataset"]
@@ -338,6 +413,7 @@ def data_folder(cfg: dict) -> Path:
 def write_nanogpt_checkpoint(trainer: Trainer, out_dir: Path, iter_num: int, best_val_loss: float, lr: float) -> None:
     """nanoGPT's ckpt.pt (every array gathered to one host), written atomically by process 0."""
     from jaxport.checkpoint import save_torch_file
+
     ckpt = trainer.checkpoint(iter_num, best_val_loss, lr)  # a collective: every process
     if jax.process_index() == 0:
         save_torch_file(ckpt, out_dir / "ckpt.pt")
@@ -373,8 +449,11 @@ def load_trained_model(out_dir) -> tuple[GPT, dict]:
                     nonlocal graphdef
                     graphdef, state = nnx.split(GPT.abstract(GPTConfig(**meta["model_args"])))
                     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                    return {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                                                   nnx.to_pure_dict(state))}
+                    return {
+                        "params": jax.tree.map(
+                            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(state)
+                        )
+                    }
 
                 state, meta = checkpoints.restore(abstract_params, partial=True)
                 return nnx.merge(graphdef, state["params"]), meta["config"]
@@ -387,11 +466,16 @@ def export(out_dir, device: str = "cpu") -> Path:
     run every process calls it: the arrays are gathered and process 0 writes the file)."""
     out_dir = Path(out_dir)
     with run_checkpoints(out_dir) as checkpoints:
-        trainer = restore_trainer(checkpoints, lambda meta: {**DEFAULTS, **EXTRA, **meta["config"], "device": device,
-                                                             "init_from": "resume"}, select_devices(device))
+        trainer = restore_trainer(
+            checkpoints,
+            lambda meta: {**DEFAULTS, **EXTRA, **meta["config"], "device": device, "init_from": "resume"},
+            select_devices(device),
+        )
     if trainer is None:
-        raise JaxportError(f"{out_dir} has no jaxport checkpoints to export (expected {out_dir}/jaxport_checkpoints, "
-                           f"written by `jaxport gpt train`)")
+        raise JaxportError(
+            f"{out_dir} has no jaxport checkpoints to export (expected {out_dir}/jaxport_checkpoints, "
+            f"written by `jaxport gpt train`)"
+        )
     cfg = trainer.cfg
     lr = get_lr(trainer.iter_num, cfg) if cfg["decay_lr"] else cfg["learning_rate"]
     write_nanogpt_checkpoint(trainer, out_dir, trainer.iter_num, trainer.best_val_loss, lr)
@@ -410,8 +494,10 @@ def train(cfg: dict) -> dict:
     # nanoGPT's DDP rule: batch_size is per device and the accumulation steps are shared out
     world, accum = len(devices), cfg["gradient_accumulation_steps"]
     if accum % world:
-        raise JaxportError(f"gradient_accumulation_steps={accum} must be a multiple of the {world} devices "
-                           f"(each device takes batch_size={cfg['batch_size']} per micro-step)")
+        raise JaxportError(
+            f"gradient_accumulation_steps={accum} must be a multiple of the {world} devices "
+            f"(each device takes batch_size={cfg['batch_size']} per micro-step)"
+        )
     accum //= world
     data_dir = data_folder(cfg)
     local_rows = cfg["batch_size"] * world // jax.process_count()  # each process loads its own rows
@@ -425,9 +511,17 @@ def train(cfg: dict) -> dict:
     out_dir = Path(cfg["out_dir"])
     echo(f"tokens per iteration will be: {accum * world * cfg['batch_size'] * cfg['block_size']:,}")
     loggers = ["jsonl", "wandb"] if cfg["wandb_log"] else ["jsonl"]
-    run = Run(out_dir, total_steps=cfg["max_iters"], loggers=loggers, keep_last=cfg["keep_last"],
-              keep_every=cfg["keep_every"], project=cfg["wandb_project"], name=cfg["wandb_run_name"], shown=("loss",),
-              progress=cfg["progress"])
+    run = Run(
+        out_dir,
+        total_steps=cfg["max_iters"],
+        loggers=loggers,
+        keep_last=cfg["keep_last"],
+        keep_every=cfg["keep_every"],
+        project=cfg["wandb_project"],
+        name=cfg["wandb_run_name"],
+        shown=("loss",),
+        progress=cfg["progress"],
+    )
     with run:
         return _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo)
 
@@ -443,8 +537,10 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
         trainer = Trainer(cfg, vocab_size=meta_vocab, devices=devices)
     model = trainer.model
     echo(f"number of parameters: {model.get_num_params() / 1e6:.2f}M")
-    echo(f"compute dtype {jnp.dtype(trainer.dtype).name} on {trainer.mesh.devices.size} "
-         f"{trainer.mesh.devices.flat[0].platform} device(s); the first step compiles")
+    echo(
+        f"compute dtype {jnp.dtype(trainer.dtype).name} on {trainer.mesh.devices.size} "
+        f"{trainer.mesh.devices.flat[0].platform} device(s); the first step compiles"
+    )
     peak, kind = device_peak_flops(trainer.mesh.devices.flat[0])
     mfu_params = model.get_num_params()
     if master:
@@ -491,8 +587,10 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             write_nanogpt_checkpoint(trainer, out_dir, iter_num, best_val_loss, lr)
         elif not warned_no_torch:
             warned_no_torch.append(True)
-            say("PyTorch is not installed, so nanoGPT's ckpt.pt is not written (jaxport's checkpoints are in "
-                f"{out_dir / CHECKPOINT_SUBDIR}); `pip install 'jaxport[torch]'` and `jaxport gpt export` write it")
+            say(
+                "PyTorch is not installed, so nanoGPT's ckpt.pt is not written (jaxport's checkpoints are in "
+                f"{out_dir / CHECKPOINT_SUBDIR}); `pip install 'jaxport[torch]'` and `jaxport gpt export` write it"
+            )
 
     X, Y = batches.get("train", (accum,), draw=iter_num)
     t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
@@ -528,11 +626,21 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             if local_iter_num >= 5:  # let the compile and warm-up settle first
                 mfu = estimate_mfu(mfu_params, trainer.model_config, cfg["batch_size"] * accum, dt)
                 running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-            device_mfu = (f", {running_mfu * 312e12 / peak * 100:.2f}% of {kind} peak" if peak and running_mfu > 0
-                          else "")
+            device_mfu = (
+                f", {running_mfu * 312e12 / peak * 100:.2f}% of {kind} peak" if peak and running_mfu > 0 else ""
+            )
             say(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, mfu {running_mfu * 100:.2f}%{device_mfu}")
-            run.log(iter_num, {"iter": iter_num, "loss": lossf, "lr": lr, "grad_norm": float(fetch_replicated(norm)),
-                               "dt_ms": dt * 1000, "mfu_a100": running_mfu})
+            run.log(
+                iter_num,
+                {
+                    "iter": iter_num,
+                    "loss": lossf,
+                    "lr": lr,
+                    "grad_norm": float(fetch_replicated(norm)),
+                    "dt_ms": dt * 1000,
+                    "mfu_a100": running_mfu,
+                },
+            )
             last["loss"] = lossf
         iter_num += 1
         local_iter_num += 1

@@ -9,7 +9,18 @@ from jaxport.nn.norm import RMSNorm, rms_norm
 from jaxport.nn.rotary import apply_rotary, rotary_cos_sin, rotate_half
 
 __all__ = [
-    "Attention", "dot_product_attention", "dropout", "truncated_normal", "Embedding", "Linear", "SwiGLU",
-    "find_multiple", "swiglu_intermediate_size", "RMSNorm", "rms_norm", "apply_rotary",
-    "rotary_cos_sin", "rotate_half",
+    "Attention",
+    "dot_product_attention",
+    "dropout",
+    "truncated_normal",
+    "Embedding",
+    "Linear",
+    "SwiGLU",
+    "find_multiple",
+    "swiglu_intermediate_size",
+    "RMSNorm",
+    "rms_norm",
+    "apply_rotary",
+    "rotary_cos_sin",
+    "rotate_half",
 ]

@@ -11,10 +11,17 @@ from jaxport.nn.linear import Linear
 from jaxport.nn.rotary import apply_rotary
 
 
-def dot_product_attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
-                          causal: bool = False, mask: jax.Array | None = None,
-                          scale: float | None = None, dropout_rate: float = 0.0,
-                          dropout_rng: jax.Array | None = None) -> jax.Array:
+def dot_product_attention(
+    q_BSHD: jax.Array,
+    k_BTKD: jax.Array,
+    v_BTKD: jax.Array,
+    *,
+    causal: bool = False,
+    mask: jax.Array | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
     """Softmax attention with `H` query heads sharing `K` key/value heads (H % K == 0).
 
     `mask` is boolean, True where a query may attend: `[B, T]` (key padding),
@@ -61,14 +68,22 @@ def _causal_attention_in_blocks(q_BSHD, k_BSHD, v_BSHD, scale, dropout_rate, dro
     outputs = []
     for start in range(0, S, CAUSAL_BLOCK):
         end = start + CAUSAL_BLOCK
-        scores = jnp.einsum("bshd,bthd->bhst", q_BSHD[:, start:end], k_BSHD[:, :end],
-                            preferred_element_type=jnp.float32) * scale
+        scores = (
+            jnp.einsum("bshd,bthd->bhst", q_BSHD[:, start:end], k_BSHD[:, :end], preferred_element_type=jnp.float32)
+            * scale
+        )
         allowed = jnp.tril(jnp.ones((CAUSAL_BLOCK, end), dtype=bool), k=start)
         probs = jax.nn.softmax(jnp.where(allowed, scores, jnp.finfo(jnp.float32).min), axis=-1)
         if dropout_rng is not None:  # each probability keeps its place in the full [B, H, S, S] matrix
-            rows = (jax.lax.broadcasted_iota(jnp.uint32, (B, H, CAUSAL_BLOCK, 1), 0) * H
-                    + jax.lax.broadcasted_iota(jnp.uint32, (B, H, CAUSAL_BLOCK, 1), 1)) * S \
-                + jax.lax.broadcasted_iota(jnp.uint32, (B, H, CAUSAL_BLOCK, 1), 2) + start
+            rows = (
+                (
+                    jax.lax.broadcasted_iota(jnp.uint32, (B, H, CAUSAL_BLOCK, 1), 0) * H
+                    + jax.lax.broadcasted_iota(jnp.uint32, (B, H, CAUSAL_BLOCK, 1), 1)
+                )
+                * S
+                + jax.lax.broadcasted_iota(jnp.uint32, (B, H, CAUSAL_BLOCK, 1), 2)
+                + start
+            )
             probs = dropout(probs, dropout_rate, dropout_rng, rows=rows)
         outputs.append(jnp.einsum("bhst,bthd->bshd", probs.astype(v_BSHD.dtype), v_BSHD[:, :end]))
     return jnp.concatenate(outputs, axis=1)
@@ -81,9 +96,19 @@ class Attention(nnx.Module):
     each `head_dim` wide, which is also nanoGPT's `c_attn` layout.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, causal: bool = False, qkv_bias: bool = False,
-                 out_bias: bool = False, fused_qkv: bool = True, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        causal: bool = False,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        fused_qkv: bool = True,
+        rngs: nnx.Rngs,
+    ):
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = hidden_size // num_heads if head_dim is None else head_dim
@@ -103,15 +128,24 @@ class Attention(nnx.Module):
         if self.fused_qkv:
             qkv = self.qkv_proj(x_BSD).reshape(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             return jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
-        return (self.q_proj(x_BSD).reshape(B, S, self.num_heads, self.head_dim),
-                self.k_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim),
-                self.v_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim))
+        return (
+            self.q_proj(x_BSD).reshape(B, S, self.num_heads, self.head_dim),
+            self.k_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim),
+            self.v_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim),
+        )
 
     def __call__(self, x_BSD: jax.Array, cos_sin=None, mask: jax.Array | None = None) -> jax.Array:
         return self.attend(x_BSD, cos_sin, mask)[0]
 
-    def attend(self, x_BSD: jax.Array, cos_sin=None, mask: jax.Array | None = None, *,
-               kv_cache: tuple[jax.Array, jax.Array] | None = None, cache_index=0):
+    def attend(
+        self,
+        x_BSD: jax.Array,
+        cos_sin=None,
+        mask: jax.Array | None = None,
+        *,
+        kv_cache: tuple[jax.Array, jax.Array] | None = None,
+        cache_index=0,
+    ):
         """`(output, (k_BTKD, v_BTKD))`: the output and the (rotated) keys/values attended over.
 
         With `kv_cache = (k, v)` of a longer sequence `[B, T, K, D]`, the `S` rows of `x` are its
@@ -126,7 +160,9 @@ class Attention(nnx.Module):
         if kv_cache is not None:
             if self.causal:
                 raise NotImplementedError("a KV cache with causal attention")
-            k, v = (jax.lax.dynamic_update_slice_in_dim(cached, new.astype(cached.dtype), cache_index, axis=1)
-                    for cached, new in zip(kv_cache, (k, v)))
+            k, v = (
+                jax.lax.dynamic_update_slice_in_dim(cached, new.astype(cached.dtype), cache_index, axis=1)
+                for cached, new in zip(kv_cache, (k, v))
+            )
         out = dot_product_attention(q, k, v, causal=self.causal, mask=mask)
         return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), (k, v)

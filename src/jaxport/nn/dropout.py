@@ -31,7 +31,7 @@ def keep_mask(shape, rate: float, rng: jax.Array, rows=None, cols=None) -> jax.A
     if cols is None:
         cols = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
     h = _mix(_mix(rows.astype(jnp.uint32) ^ seed[0]) ^ (cols.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)) ^ seed[1])
-    return h >= jnp.uint32(min(round(rate * 2.0 ** 32), 2 ** 32 - 1))
+    return h >= jnp.uint32(min(round(rate * 2.0**32), 2**32 - 1))
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None, rows=None, cols=None) -> jax.Array:

@@ -12,7 +12,6 @@ from flax import nnx
 
 from jaxport.nn.initializers import truncated_normal
 
-
 _CONTRACT_IN = (((1,), (1,)), ((), ()))
 
 
@@ -44,8 +43,16 @@ matmul_t.defvjp(_matmul_t_fwd, _matmul_t_bwd)
 class Linear(nnx.Module):
     """`y = x @ W.T + b` with `W: [out, in]` cast to the input dtype (upstream's CastedLinear)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, rngs: nnx.Rngs,
-                 init_std: float | None = None, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        rngs: nnx.Rngs,
+        init_std: float | None = None,
+        param_dtype=jnp.float32,
+    ):
         std = 1.0 / math.sqrt(in_features) if init_std is None else init_std
         self.in_features, self.out_features = in_features, out_features
         self.weight = nnx.Param(truncated_normal(std)(rngs.params(), (out_features, in_features), param_dtype))
@@ -63,11 +70,20 @@ class Linear(nnx.Module):
 class Embedding(nnx.Module):
     """Token embedding table `[num, dim]`, looked up and cast to `dtype` (upstream's CastedEmbedding)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float, rngs: nnx.Rngs,
-                 dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_std: float,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
         self.dtype = dtype
         self.embedding_weight = nnx.Param(
-            truncated_normal(init_std)(rngs.params(), (num_embeddings, embedding_dim), param_dtype))
+            truncated_normal(init_std)(rngs.params(), (num_embeddings, embedding_dim), param_dtype)
+        )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding_weight[...].astype(self.dtype), ids, axis=0)

@@ -28,8 +28,9 @@ def ema_init(params):
 def ema_update(shadow, params, mu: float, trainable=None):
     """`EMAHelper.update`: shadow <- (1 - mu) * param + mu * shadow for trainable leaves."""
     trainable = _all_trainable(params) if trainable is None else trainable
-    return jax.tree.map(lambda keep, s, p: _choose(keep, ((1.0 - mu) * p + mu * s).astype(s.dtype), s),
-                        trainable, shadow, params)
+    return jax.tree.map(
+        lambda keep, s, p: _choose(keep, ((1.0 - mu) * p + mu * s).astype(s.dtype), s), trainable, shadow, params
+    )
 
 
 def ema_copy(shadow, params, trainable=None):

@@ -10,7 +10,6 @@ from tqdm import tqdm
 
 from jaxport.errors import JaxportError, write_error
 
-
 LOGGERS = ("jsonl", "wandb", "tensorboard")
 
 
@@ -20,9 +19,20 @@ class MetricsLog:
     A metric whose value is None was not measured at that step (e.g. accuracy when no row halted):
     `metrics.jsonl` records null, and the progress bar keeps showing the last measured value."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int, initial_step: int = 0, loggers=("jsonl",),
-                 config: dict | None = None, project: str | None = None, name: str | None = None,
-                 enabled: bool = True, shown=("lm_loss", "loss", "accuracy"), progress: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        initial_step: int = 0,
+        loggers=("jsonl",),
+        config: dict | None = None,
+        project: str | None = None,
+        name: str | None = None,
+        enabled: bool = True,
+        shown=("lm_loss", "loss", "accuracy"),
+        progress: bool = True,
+    ):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.jsonl = self.run_dir / "metrics.jsonl"
@@ -40,15 +50,18 @@ class MetricsLog:
             try:
                 import wandb
             except ImportError:
-                raise JaxportError("loggers=[wandb] needs `pip install wandb` "
-                                   "(WANDB_MODE=offline works without an account)") from None
+                raise JaxportError(
+                    "loggers=[wandb] needs `pip install wandb` (WANDB_MODE=offline works without an account)"
+                ) from None
             self._wandb = wandb.init(project=project, name=name, config=config, dir=str(self.run_dir), resume="allow")
         if "tensorboard" in loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise JaxportError("loggers=[tensorboard] needs `pip install tensorboard` and PyTorch's writer "
-                                   "(`pip install jaxport[torch]`)") from None
+                raise JaxportError(
+                    "loggers=[tensorboard] needs `pip install tensorboard` and PyTorch's writer "
+                    "(`pip install jaxport[torch]`)"
+                ) from None
             self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True) if progress else None
 
@@ -73,8 +86,13 @@ class MetricsLog:
                 self._tensorboard.add_scalar(k, v, step)
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self._postfix.update({k.split("/")[-1]: f"{v:.4g}" for k, v in measured.items()
-                                  if k.endswith(self._shown_suffixes) and k.startswith("train/") and "q_halt" not in k})
+            self._postfix.update(
+                {
+                    k.split("/")[-1]: f"{v:.4g}"
+                    for k, v in measured.items()
+                    if k.endswith(self._shown_suffixes) and k.startswith("train/") and "q_halt" not in k
+                }
+            )
             self.bar.set_postfix(self._postfix, refresh=False)
 
     def write(self, message: str) -> None:
@@ -113,6 +131,7 @@ def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 4) -> Path | 
     if not jsonl.exists():
         return None
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -120,8 +139,12 @@ def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 4) -> Path | 
     for line in jsonl.read_text().splitlines():
         row = json.loads(line)
         for k, v in row.items():
-            if k not in ("step", "time", "steps_per_s") and not k.endswith("/count") and isinstance(v, (int, float)) \
-                    and math.isfinite(v):
+            if (
+                k not in ("step", "time", "steps_per_s")
+                and not k.endswith("/count")
+                and isinstance(v, (int, float))
+                and math.isfinite(v)
+            ):
                 xs, ys = series.setdefault(k, ([], []))
                 xs.append(row["step"])
                 ys.append(v)

@@ -20,32 +20,41 @@ class ScaleByAdamAtan2State(NamedTuple):
     nu: optax.Updates
 
 
-def scale_by_adam_atan2(b1: float = 0.9, b2: float = 0.95, a: float = 1.0, b: float = 1.0) -> optax.GradientTransformation:
+def scale_by_adam_atan2(
+    b1: float = 0.9, b2: float = 0.95, a: float = 1.0, b: float = 1.0
+) -> optax.GradientTransformation:
     """`a * atan2(m_hat, b * sqrt(v_hat))` with bias-corrected first and second moments."""
 
     def init_fn(params):
         zeros = lambda p: jnp.zeros_like(p, dtype=jnp.float32)  # noqa: E731
-        return ScaleByAdamAtan2State(count=jnp.zeros([], jnp.int32),
-                                     mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params))
+        return ScaleByAdamAtan2State(
+            count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params)
+        )
 
     def update_fn(updates, state, params=None):
         del params
         count = state.count + 1
         t = count.astype(jnp.float32)
-        correct1 = 1.0 - b1 ** t
-        correct2 = 1.0 - b2 ** t
+        correct1 = 1.0 - b1**t
+        correct2 = 1.0 - b2**t
         mu = jax.tree.map(lambda m, g: m + (1.0 - b1) * (g.astype(jnp.float32) - m), state.mu, updates)
         nu = jax.tree.map(lambda v, g: v + (1.0 - b2) * (jnp.square(g.astype(jnp.float32)) - v), state.nu, updates)
         new_updates = jax.tree.map(
-            lambda m, v, g: (a * jnp.arctan2(m / correct1, b * jnp.sqrt(v / correct2))).astype(g.dtype),
-            mu, nu, updates)
+            lambda m, v, g: (a * jnp.arctan2(m / correct1, b * jnp.sqrt(v / correct2))).astype(g.dtype), mu, nu, updates
+        )
         return new_updates, ScaleByAdamAtan2State(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def adam_atan2(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.95,
-               weight_decay: float = 0.0, a: float = 1.0, b: float = 1.0) -> optax.GradientTransformation:
+def adam_atan2(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    weight_decay: float = 0.0,
+    a: float = 1.0,
+    b: float = 1.0,
+) -> optax.GradientTransformation:
     """Adam-atan2 with decoupled weight decay: `p <- p * (1 - lr * wd) - lr * a * atan2(...)`.
 
     `learning_rate` is a scalar or an optax schedule of the 0-based update count (see
@@ -53,13 +62,14 @@ def adam_atan2(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float
     rate from Python each step as upstream does. Upstream's defaults: a = b = 1,
     betas (0.9, 0.95).
     """
-    return optax.chain(scale_by_adam_atan2(b1=b1, b2=b2, a=a, b=b),
-                       optax.add_decayed_weights(weight_decay),
-                       optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(
+        scale_by_adam_atan2(b1=b1, b2=b2, a=a, b=b),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
-def sparse_sign_sgd_update(weights_ND: jax.Array, ids_B: jax.Array, grads_BD: jax.Array,
-                           lr, weight_decay) -> jax.Array:
+def sparse_sign_sgd_update(weights_ND: jax.Array, ids_B: jax.Array, grads_BD: jax.Array, lr, weight_decay) -> jax.Array:
     """Sign-SGD on the rows of an embedding table that a batch used.
 
     Rows whose id occurs in `ids_B` become `w * (1 - lr * wd) - lr * sign(g)`, with `g` the

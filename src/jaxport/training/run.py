@@ -45,10 +45,22 @@ class Run:
     jsonl, wandb, tensorboard. `shown` picks the metric suffixes the progress bar displays; without `progress`
     there is no bar and messages go to stdout."""
 
-    def __init__(self, run_dir, *, config: dict | None = None, config_name: str | None = None,
-                 total_steps: int, initial_step: int = 0, loggers=("jsonl",), keep_last: int | None = 3,
-                 keep_every: int | None = None, project: str | None = None, name: str | None = None,
-                 shown=("lm_loss", "loss", "accuracy"), progress: bool = True):
+    def __init__(
+        self,
+        run_dir,
+        *,
+        config: dict | None = None,
+        config_name: str | None = None,
+        total_steps: int,
+        initial_step: int = 0,
+        loggers=("jsonl",),
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        project: str | None = None,
+        name: str | None = None,
+        shown=("lm_loss", "loss", "accuracy"),
+        progress: bool = True,
+    ):
         self.dir = epath.Path(run_dir)
         self.is_main = jax.process_index() == 0
         if keep_last is not None and keep_last < 1:
@@ -91,8 +103,14 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)
             if self.config is not None and self.config_name:
                 (self.dir / self.config_name).write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self.metrics = MetricsLog(self.dir, total_steps=self.total_steps, initial_step=self.initial_step,
-                                  config=self.config, enabled=self.is_main, **self._log_options)
+        self.metrics = MetricsLog(
+            self.dir,
+            total_steps=self.total_steps,
+            initial_step=self.initial_step,
+            config=self.config,
+            enabled=self.is_main,
+            **self._log_options,
+        )
 
     def close(self):
         """Finish saves in flight, close the loggers, draw the learning curves; returns the PNG path. Each is
@@ -129,8 +147,7 @@ class Run:
             return
         non_finite = int(fetch_replicated(_count_non_finite(state)))
         if non_finite:
-            self._stop(step, f"the state to checkpoint holds {non_finite} NaN or infinite weight or optimizer "
-                             f"value(s)")
+            self._stop(step, f"the state to checkpoint holds {non_finite} NaN or infinite weight or optimizer value(s)")
         self.checkpoints.save(step, state, {"step": int(step), **(meta or {})})
 
     # ----- logging
@@ -162,8 +179,11 @@ class Run:
     def _stop(self, step: int, problem: str):
         self.checkpoints.wait()
         last = self.checkpoints.latest_step()
-        kept = (f"the last good checkpoint is step {last} in {self.checkpoints.directory}" if last is not None
-                else "no checkpoint had been written yet")
+        kept = (
+            f"the last good checkpoint is step {last} in {self.checkpoints.directory}"
+            if last is not None
+            else "no checkpoint had been written yet"
+        )
         raise JaxportError(f"{problem} at step {step}; training stopped; {kept}")
 
 

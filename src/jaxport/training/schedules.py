@@ -11,9 +11,15 @@ import math
 import jax.numpy as jnp
 
 
-def cosine_schedule_with_warmup_lr_lambda(current_step: int, *, base_lr: float, num_warmup_steps: int,
-                                          num_training_steps: int, min_ratio: float = 0.0,
-                                          num_cycles: float = 0.5) -> float:
+def cosine_schedule_with_warmup_lr_lambda(
+    current_step: int,
+    *,
+    base_lr: float,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+) -> float:
     """Linear warmup from 0 to `base_lr`, then a cosine down to `min_ratio * base_lr`."""
     if current_step < num_warmup_steps:
         return base_lr * float(current_step) / float(max(1, num_warmup_steps))
@@ -22,16 +28,21 @@ def cosine_schedule_with_warmup_lr_lambda(current_step: int, *, base_lr: float, 
     return base_lr * (min_ratio + max(0.0, (1 - min_ratio) * cosine))
 
 
-def compute_lr(base_lr: float, *, step: int, total_steps: int, lr_warmup_steps: float,
-               lr_min_ratio: float) -> float:
+def compute_lr(base_lr: float, *, step: int, total_steps: int, lr_warmup_steps: float, lr_min_ratio: float) -> float:
     """Upstream `compute_lr(base_lr, config, train_state)`: the rate used at `step` (1-based:
     the first optimizer step has step=1)."""
-    return cosine_schedule_with_warmup_lr_lambda(step, base_lr=base_lr, num_warmup_steps=round(lr_warmup_steps),
-                                                 num_training_steps=total_steps, min_ratio=lr_min_ratio)
+    return cosine_schedule_with_warmup_lr_lambda(
+        step,
+        base_lr=base_lr,
+        num_warmup_steps=round(lr_warmup_steps),
+        num_training_steps=total_steps,
+        min_ratio=lr_min_ratio,
+    )
 
 
-def warmup_cosine_schedule(base_lr: float, *, num_warmup_steps: int, num_training_steps: int,
-                           min_ratio: float = 0.0, num_cycles: float = 0.5):
+def warmup_cosine_schedule(
+    base_lr: float, *, num_warmup_steps: int, num_training_steps: int, min_ratio: float = 0.0, num_cycles: float = 0.5
+):
     """The same curve as an optax schedule of the 0-based update count: update `count` uses
     upstream's rate for step `count + 1`."""
     warmup = max(1, num_warmup_steps)

@@ -30,7 +30,7 @@ def crop(seq: np.ndarray) -> np.ndarray:
     rows = int(np.argmax(area)) + 1  # the first (fewest rows) of equal areas, as upstream
     if area[rows - 1] == 0:
         return np.zeros((0, 0), np.uint8)
-    return (grid[:rows, :width[rows - 1]] - 2).astype(np.uint8)
+    return (grid[:rows, : width[rows - 1]] - 2).astype(np.uint8)
 
 
 class ARCEvaluator:
@@ -42,8 +42,14 @@ class ARCEvaluator:
 
     required_outputs = ("inputs", "puzzle_identifiers", "q_halt_logits", "preds")
 
-    def __init__(self, data_path, blank_identifier_id: int = 0, submission_K: int = 2,
-                 pass_Ks=(1, 2, 5, 10, 100, 1000), aggregated_voting: bool = True):
+    def __init__(
+        self,
+        data_path,
+        blank_identifier_id: int = 0,
+        submission_K: int = 2,
+        pass_Ks=(1, 2, 5, 10, 100, 1000),
+        aggregated_voting: bool = True,
+    ):
         data_path = Path(data_path)
         self.identifier_map = self._read(data_path / "identifiers.json")
         self.test_puzzles = self._read(data_path / "test_puzzles.json")
@@ -74,11 +80,14 @@ class ARCEvaluator:
         identifiers = np.asarray(merged["puzzle_identifiers"])
         keep = identifiers != self.blank_identifier_id
         q = 1.0 / (1.0 + np.exp(-np.asarray(merged["q_halt_logits"], np.float64)))
-        for identifier, inp, pred, q_row in zip(identifiers[keep], np.asarray(merged["inputs"])[keep],
-                                                np.asarray(merged["preds"])[keep], q[keep]):
+        for identifier, inp, pred, q_row in zip(
+            identifiers[keep], np.asarray(merged["inputs"])[keep], np.asarray(merged["preds"])[keep], q[keep]
+        ):
             if not 0 <= identifier < len(self.identifier_map):
-                raise JaxportError(f"puzzle identifier {identifier} is not in identifiers.json ({len(self.identifier_map)} "
-                                   f"entries): the batches come from another dataset than the evaluator's")
+                raise JaxportError(
+                    f"puzzle identifier {identifier} is not in identifiers.json ({len(self.identifier_map)} "
+                    f"entries): the batches come from another dataset than the evaluator's"
+                )
             name = self.identifier_map[int(identifier)]
             original, to_original = inverse_augment(name)
             input_hash = grid_hash(to_original(crop(inp)))
@@ -91,6 +100,7 @@ class ARCEvaluator:
         """pass@K for every K (process 0; other processes get None); writes
         `<save_path>/submission.json` when `save_path` is given."""
         import jax
+
         states = gather((self._grids, self._votes))
         if jax.process_index() != 0:
             return None
@@ -112,11 +122,12 @@ class ARCEvaluator:
                 if not tally:
                     print(f"Puzzle {name} has no predictions.")
                     continue
-                ranked = sorted(((h, (n, total / n)) for h, (n, total) in tally.items()),
-                                key=lambda kv: kv[1], reverse=True)
+                ranked = sorted(
+                    ((h, (n, total / n)) for h, (n, total) in tally.items()), key=lambda kv: kv[1], reverse=True
+                )
                 for i, k in enumerate(self.pass_Ks):
                     solved_here[i] += any(h == label_hash for h, _ in ranked[:k])
-                attempts = [next(grids[h] for grids, _ in states if h in grids) for h, _ in ranked[:self.submission_K]]
+                attempts = [next(grids[h] for grids, _ in states if h in grids) for h, _ in ranked[: self.submission_K]]
                 attempts += [attempts[0]] * (self.submission_K - len(attempts))
                 submission[name].append({f"attempt_{i + 1}": g.tolist() for i, g in enumerate(attempts)})
             solved += solved_here / len(puzzle["test"])

@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
 
 def _build(argv):
     from jaxport.trm.build import BUILDERS
+
     if not argv or argv[0] not in BUILDERS:
         raise JaxportError(f"jaxport trm build needs one of {', '.join(BUILDERS)}")
     make_parser, build = BUILDERS[argv[0]]
@@ -46,6 +47,7 @@ def _train(argv):
     from jaxport.distributed import initialize_from_argv
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import train
+
     overrides = initialize_from_argv(argv)
     result = train(load_run_config(overrides))
     print(json.dumps(result, indent=1))
@@ -59,13 +61,17 @@ def _eval(argv):
     parser.add_argument("--config", help="the all_config.yaml of --checkpoint (default: beside it)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data_paths_test=[data/x]")
     from jaxport.distributed import initialize_from_argv
+
     args = parser.parse_args(initialize_from_argv(argv))
     from jaxport.trm.config import read_all_config
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import Trainer
+
     if args.run:
         run = Path(args.run)
-        config = load_run_config(args.overrides + [f"checkpoint_path={run}"], base=read_all_config(run / "all_config.yaml"))
+        config = load_run_config(
+            args.overrides + [f"checkpoint_path={run}"], base=read_all_config(run / "all_config.yaml")
+        )
         trainer = Trainer(config)
         with trainer.run:
             if not trainer.resume():
@@ -74,8 +80,9 @@ def _eval(argv):
         return 0
     if args.checkpoint:
         config_path = Path(args.config) if args.config else Path(args.checkpoint).parent / "all_config.yaml"
-        config = load_run_config(args.overrides + [f"load_checkpoint={args.checkpoint}"],
-                                 base=read_all_config(config_path))
+        config = load_run_config(
+            args.overrides + [f"load_checkpoint={args.checkpoint}"], base=read_all_config(config_path)
+        )
         if config.checkpoint_path is None:
             config = config.replace(checkpoint_path=str(Path(args.checkpoint).parent))
         trainer = Trainer(config)
@@ -86,10 +93,24 @@ def _eval(argv):
 
 
 DEMO_OVERRIDES = [
-    "arch.mlp_t=True", "arch.pos_encodings=none", "arch.hidden_size=64", "arch.num_heads=2", "arch.H_cycles=2",
-    "arch.L_cycles=2", "arch.halt_max_steps=4", "arch.puzzle_emb_len=2", "arch.forward_dtype=float32",
-    "global_batch_size=32", "lr=1e-3", "puzzle_emb_lr=1e-2", "lr_warmup_steps=50", "weight_decay=0.1",
-    "puzzle_emb_weight_decay=0.1", "evaluators=[]", "ema=False", "seed=0",
+    "arch.mlp_t=True",
+    "arch.pos_encodings=none",
+    "arch.hidden_size=64",
+    "arch.num_heads=2",
+    "arch.H_cycles=2",
+    "arch.L_cycles=2",
+    "arch.halt_max_steps=4",
+    "arch.puzzle_emb_len=2",
+    "arch.forward_dtype=float32",
+    "global_batch_size=32",
+    "lr=1e-3",
+    "puzzle_emb_lr=1e-2",
+    "lr_warmup_steps=50",
+    "weight_decay=0.1",
+    "puzzle_emb_weight_decay=0.1",
+    "evaluators=[]",
+    "ema=False",
+    "seed=0",
 ]
 
 
@@ -107,22 +128,51 @@ def _demo(argv):
     from jaxport.trm.build import sudoku
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import train
+
     out = Path(args.out)
     data = out / f"sudoku-gen-{args.givens}givens-{args.num_train}x{args.num_aug + 1}"
     if not (data / "test" / "dataset.json").exists():
-        print(f"building {args.num_train} training and {args.num_test} test Sudoku puzzles with {args.givens} givens "
-              f"in {data}")
-        sudoku.build_sudoku(sudoku.parser().parse_args(
-            ["--generate", "--num-train", str(args.num_train), "--num-test", str(args.num_test),
-             "--givens", str(args.givens), "--num-aug", str(args.num_aug), "--output-dir", str(data)]))
-    config = load_run_config(DEMO_OVERRIDES + [
-        f"data_paths=[{data}]", f"epochs={args.epochs}", f"eval_interval={args.eval_interval}",
-        f"checkpoint_path={out / 'run'}", "+run_name=trm-demo"] + args.overrides)
+        print(
+            f"building {args.num_train} training and {args.num_test} test Sudoku puzzles with {args.givens} givens "
+            f"in {data}"
+        )
+        sudoku.build_sudoku(
+            sudoku.parser().parse_args(
+                [
+                    "--generate",
+                    "--num-train",
+                    str(args.num_train),
+                    "--num-test",
+                    str(args.num_test),
+                    "--givens",
+                    str(args.givens),
+                    "--num-aug",
+                    str(args.num_aug),
+                    "--output-dir",
+                    str(data),
+                ]
+            )
+        )
+    config = load_run_config(
+        DEMO_OVERRIDES
+        + [
+            f"data_paths=[{data}]",
+            f"epochs={args.epochs}",
+            f"eval_interval={args.eval_interval}",
+            f"checkpoint_path={out / 'run'}",
+            "+run_name=trm-demo",
+        ]
+        + args.overrides
+    )
     t0 = time.time()
     result = train(config)
     accuracy = result["eval"].get("all/exact_accuracy")
-    print(f"\ntrained TRM (mlp_t, hidden 64) for {result['step']} steps in {time.time() - t0:.0f} s; "
-          f"test exact accuracy (whole puzzle solved): {accuracy:.3f}" if accuracy is not None else "no eval ran")
+    print(
+        f"\ntrained TRM (mlp_t, hidden 64) for {result['step']} steps in {time.time() - t0:.0f} s; "
+        f"test exact accuracy (whole puzzle solved): {accuracy:.3f}"
+        if accuracy is not None
+        else "no eval ran"
+    )
     print(f"run folder: {result['run_dir']} (metrics.jsonl, all_config.yaml, learning_curves.png, checkpoints)")
     return 0
 

@@ -31,6 +31,7 @@ class LossConfig(Frozen):
 
 class ArchConfig(Frozen):
     """TinyRecursiveReasoningModel_ACTV1's `arch:` keys, one to one."""
+
     name: str = ARCH_NAME
     loss: LossConfig = LossConfig()
     H_cycles: PositiveInt = 3
@@ -76,6 +77,7 @@ class ArchConfig(Frozen):
 class TRMConfig(ArchConfig):
     """The model's config: the arch plus the dataset's sizes. `seq_len=None` means "from the batch"; it is
     needed only by learned positions and mlp_t, whose weights have the sequence length in them."""
+
     vocab_size: PositiveInt
     num_puzzle_identifiers: PositiveInt
     seq_len: PositiveInt | None = None
@@ -106,6 +108,7 @@ class EvaluatorConfig(pydantic.BaseModel):
 
 class RunConfig(Frozen):
     """upstream PretrainConfig (its keys and defaults), plus jaxport's keys at the end."""
+
     arch: ArchConfig
     data_paths: list[str]
     data_paths_test: list[str] = []

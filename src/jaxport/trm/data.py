@@ -32,6 +32,7 @@ FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_ind
 @dataclasses.dataclass(frozen=True)
 class PuzzleDatasetMetadata:
     """`dataset.json`, fields in upstream's order (the builders write it byte-for-byte)."""
+
     pad_id: int
     ignore_label_id: int | None
     blank_identifier_id: int
@@ -52,8 +53,10 @@ class PuzzleDatasetMetadata:
     def load(cls, split_dir: Path) -> "PuzzleDatasetMetadata":
         path = split_dir / "dataset.json"
         if not path.is_file():
-            raise JaxportError(f"not a puzzle dataset: {path} is missing (expected a folder built by "
-                               f"`jaxport trm build ...` or upstream's dataset/build_*.py)")
+            raise JaxportError(
+                f"not a puzzle dataset: {path} is missing (expected a folder built by "
+                f"`jaxport trm build ...` or upstream's dataset/build_*.py)"
+            )
         try:
             fields = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -81,16 +84,28 @@ class PuzzleDataset:
     run draws exactly the batches an uninterrupted one would.
     """
 
-    def __init__(self, dataset_paths, split: str = "train", *, global_batch_size: int, test_set_mode: bool,
-                 epochs_per_iter: int = 1, seed: int = 0, rank: int = 0, num_replicas: int = 1):
+    def __init__(
+        self,
+        dataset_paths,
+        split: str = "train",
+        *,
+        global_batch_size: int,
+        test_set_mode: bool,
+        epochs_per_iter: int = 1,
+        seed: int = 0,
+        rank: int = 0,
+        num_replicas: int = 1,
+    ):
         if isinstance(dataset_paths, (str, os.PathLike)):
             dataset_paths = [dataset_paths]
         self.dataset_paths = [Path(p) for p in dataset_paths]
         if not self.dataset_paths:
             raise JaxportError("no dataset path given (data_paths is empty)")
         if global_batch_size <= 0 or global_batch_size % num_replicas:
-            raise JaxportError(f"global_batch_size {global_batch_size} must be a positive multiple of the "
-                               f"number of processes ({num_replicas})")
+            raise JaxportError(
+                f"global_batch_size {global_batch_size} must be a positive multiple of the "
+                f"number of processes ({num_replicas})"
+            )
         if not 0 <= rank < num_replicas:
             raise JaxportError(f"rank {rank} is outside 0..{num_replicas - 1}")
         self.split = split
@@ -124,14 +139,17 @@ class PuzzleDataset:
         for path, meta in metas[1:]:
             for field in ("seq_len", "vocab_size", "pad_id", "ignore_label_id", "blank_identifier_id", "sets"):
                 if getattr(meta, field) != getattr(first, field):
-                    raise JaxportError(f"datasets {first_path} and {path} differ in {field} "
-                                       f"({getattr(first, field)!r} vs {getattr(meta, field)!r}); they cannot be mixed")
+                    raise JaxportError(
+                        f"datasets {first_path} and {path} differ in {field} "
+                        f"({getattr(first, field)!r} vs {getattr(meta, field)!r}); they cannot be mixed"
+                    )
         total_puzzles = sum(m.total_puzzles for _, m in metas)
         return dataclasses.replace(
             first,
             num_puzzle_identifiers=sum(m.num_puzzle_identifiers for _, m in metas),
             total_groups=sum(m.total_groups for _, m in metas),
-            mean_puzzle_examples=sum(m.mean_puzzle_examples * m.total_puzzles for _, m in metas) / max(total_puzzles, 1),
+            mean_puzzle_examples=sum(m.mean_puzzle_examples * m.total_puzzles for _, m in metas)
+            / max(total_puzzles, 1),
             total_puzzles=total_puzzles,
         )
 
@@ -151,8 +169,10 @@ class PuzzleDataset:
                     try:  # examples stay on disk; the small index arrays are read into memory
                         arrays[field] = np.load(file, mmap_mode="r" if field in ("inputs", "labels") else None)
                     except ValueError as err:
-                        raise JaxportError(f"dataset file is not a readable .npy array (truncated?): {file} ({err}); "
-                                           f"build the dataset again") from None
+                        raise JaxportError(
+                            f"dataset file is not a readable .npy array (truncated?): {file} ({err}); "
+                            f"build the dataset again"
+                        ) from None
                 self._check(split_dir, set_name, arrays)
                 data[set_name + (str(i) if i else "")] = arrays
         self._data = data
@@ -163,30 +183,46 @@ class PuzzleDataset:
         seq_len = self.metadata.seq_len
         for field in ("inputs", "labels"):
             if a[field].ndim != 2 or a[field].shape[1] != seq_len:
-                raise JaxportError(f"{where}{field}.npy has shape {a[field].shape}, expected [examples, {seq_len}] "
-                                   f"(seq_len from dataset.json)")
+                raise JaxportError(
+                    f"{where}{field}.npy has shape {a[field].shape}, expected [examples, {seq_len}] "
+                    f"(seq_len from dataset.json)"
+                )
         if a["labels"].shape[0] != a["inputs"].shape[0]:
-            raise JaxportError(f"{where}labels.npy has {a['labels'].shape[0]} rows but inputs.npy has {a['inputs'].shape[0]}")
+            raise JaxportError(
+                f"{where}labels.npy has {a['labels'].shape[0]} rows but inputs.npy has {a['inputs'].shape[0]}"
+            )
         if a["puzzle_indices"].size < 1 or a["puzzle_indices"][-1] != a["inputs"].shape[0]:
             raise JaxportError(f"{where}puzzle_indices.npy must end at the number of examples ({a['inputs'].shape[0]})")
         if a["puzzle_identifiers"].size != a["puzzle_indices"].size - 1:
-            raise JaxportError(f"{where}puzzle_identifiers.npy has {a['puzzle_identifiers'].size} entries, "
-                               f"expected one per puzzle ({a['puzzle_indices'].size - 1})")
+            raise JaxportError(
+                f"{where}puzzle_identifiers.npy has {a['puzzle_identifiers'].size} entries, "
+                f"expected one per puzzle ({a['puzzle_indices'].size - 1})"
+            )
         if a["group_indices"].size < 1 or a["group_indices"][-1] != a["puzzle_indices"].size - 1:
-            raise JaxportError(f"{where}group_indices.npy must end at the number of puzzles ({a['puzzle_indices'].size - 1})")
+            raise JaxportError(
+                f"{where}group_indices.npy must end at the number of puzzles ({a['puzzle_indices'].size - 1})"
+            )
 
     # ----- batches
 
     def _collate(self, inputs, labels, puzzle_identifiers) -> dict:
-        batch = {"inputs": np.asarray(inputs).astype(np.int32), "labels": np.asarray(labels).astype(np.int32),
-                 "puzzle_identifiers": np.asarray(puzzle_identifiers).astype(np.int32)}
+        batch = {
+            "inputs": np.asarray(inputs).astype(np.int32),
+            "labels": np.asarray(labels).astype(np.int32),
+            "puzzle_identifiers": np.asarray(puzzle_identifiers).astype(np.int32),
+        }
         if self.metadata.ignore_label_id is not None:
             batch["labels"][batch["labels"] == self.metadata.ignore_label_id] = IGNORE_LABEL_ID
         pad = self.local_batch_size - batch["puzzle_identifiers"].size
         if pad > 0:
-            fill = {"inputs": self.metadata.pad_id, "labels": IGNORE_LABEL_ID,
-                    "puzzle_identifiers": self.metadata.blank_identifier_id}
-            batch = {k: np.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1), constant_values=fill[k]) for k, v in batch.items()}
+            fill = {
+                "inputs": self.metadata.pad_id,
+                "labels": IGNORE_LABEL_ID,
+                "puzzle_identifiers": self.metadata.blank_identifier_id,
+            }
+            batch = {
+                k: np.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1), constant_values=fill[k]) for k, v in batch.items()
+            }
         return batch
 
     def _iter_test(self):
@@ -199,8 +235,11 @@ class PuzzleDataset:
                 local_end = min(start + (self.rank + 1) * self.local_batch_size, end)
                 examples = np.arange(local_start, max(local_start, local_end))
                 puzzles = np.searchsorted(offsets, examples, side="right") - 1
-                batch = self._collate(d["inputs"][local_start:local_end], d["labels"][local_start:local_end],
-                                      d["puzzle_identifiers"][puzzles])
+                batch = self._collate(
+                    d["inputs"][local_start:local_end],
+                    d["labels"][local_start:local_end],
+                    d["puzzle_identifiers"][puzzles],
+                )
                 yield set_name, batch, end - start
 
     def _group_order(self, group_count: int, iteration: int):
@@ -261,26 +300,47 @@ class PuzzleDataset:
         _, keys, pos, has_gauss, cached = self._example_rng.get_state()
         position = None
         if self._position is not None:
-            position = {"set_index": self._position["set_index"], "start_index": int(self._position["start_index"]),
-                        "philox": _to_json(self._position["philox"])}
-        return {"iters": self._iters, "position": position,
-                "example_rng": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                                "cached_gaussian": float(cached)},
-                "seed": self.seed, "epochs_per_iter": self.epochs_per_iter, "global_batch_size": self.global_batch_size}
+            position = {
+                "set_index": self._position["set_index"],
+                "start_index": int(self._position["start_index"]),
+                "philox": _to_json(self._position["philox"]),
+            }
+        return {
+            "iters": self._iters,
+            "position": position,
+            "example_rng": {
+                "keys": keys.tolist(),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "seed": self.seed,
+            "epochs_per_iter": self.epochs_per_iter,
+            "global_batch_size": self.global_batch_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "epochs_per_iter", "global_batch_size"):
             if state.get(key) != getattr(self, key):
-                raise JaxportError(f"data position was saved with {key}={state.get(key)!r} but this run uses "
-                                   f"{getattr(self, key)!r}; the batches would differ")
+                raise JaxportError(
+                    f"data position was saved with {key}={state.get(key)!r} but this run uses "
+                    f"{getattr(self, key)!r}; the batches would differ"
+                )
         self._iters = int(state["iters"])
         rng = state["example_rng"]
-        self._example_rng.set_state(("MT19937", np.asarray(rng["keys"], np.uint32), rng["pos"], rng["has_gauss"],
-                                     rng["cached_gaussian"]))
+        self._example_rng.set_state(
+            ("MT19937", np.asarray(rng["keys"], np.uint32), rng["pos"], rng["has_gauss"], rng["cached_gaussian"])
+        )
         position = state["position"]
-        self._position = None if position is None else {
-            "set_index": position["set_index"], "start_index": position["start_index"],
-            "philox": _from_json_philox(position["philox"])}
+        self._position = (
+            None
+            if position is None
+            else {
+                "set_index": position["set_index"],
+                "start_index": position["start_index"],
+                "philox": _from_json_philox(position["philox"]),
+            }
+        )
 
 
 def _to_json(obj):
@@ -294,7 +354,11 @@ def _to_json(obj):
 
 
 def _from_json_philox(state: dict) -> dict:
-    return {"bit_generator": state["bit_generator"],
-            "state": {k: np.asarray(v, np.uint64) for k, v in state["state"].items()},
-            "buffer": np.asarray(state["buffer"], np.uint64),
-            "buffer_pos": state["buffer_pos"], "has_uint32": state["has_uint32"], "uinteger": state["uinteger"]}
+    return {
+        "bit_generator": state["bit_generator"],
+        "state": {k: np.asarray(v, np.uint64) for k, v in state["state"].items()},
+        "buffer": np.asarray(state["buffer"], np.uint64),
+        "buffer_pos": state["buffer_pos"],
+        "has_uint32": state["has_uint32"],
+        "uinteger": state["uinteger"],
+    }

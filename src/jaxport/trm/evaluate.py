@@ -1,7 +1,7 @@
 """Upstream's `evaluate` for TRM: run each batch to the last ACT step, sum the final metrics per set,
 feed the evaluators, and collect the outputs named by `eval_save_outputs`."""
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -26,8 +26,15 @@ def run_to_halt(model: TRM, batch: dict, on_step=None):
             return (carry, loss, metrics, outputs), num_steps
 
 
-def evaluate(model: TRM, batches: Iterable, evaluators=(), local_rows: Callable = np.asarray,
-             save_keys=(), save_dir=None, is_main: bool = True) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+def evaluate(
+    model: TRM,
+    batches: Iterable,
+    evaluators=(),
+    local_rows: Callable = np.asarray,
+    save_keys=(),
+    save_dir=None,
+    is_main: bool = True,
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """`batches` yields `(set_name, batch on the devices, this process's rows of it on the host)`.
 
     Metrics are summed per set in float32 as upstream does, then divided by the set's count
@@ -76,5 +83,13 @@ def reduce_train_metrics(metrics: dict, global_batch_size: int) -> dict[str, flo
     logs 0."""
     values = {k: float(v) for k, v in metrics.items()}
     count = values["count"]
-    return {k: (v / global_batch_size if k.endswith("loss") else None if count == 0 and k in HALTED_ROW_METRICS
-                else v / max(count, 1)) for k, v in values.items()}
+    return {
+        k: (
+            v / global_batch_size
+            if k.endswith("loss")
+            else None
+            if count == 0 and k in HALTED_ROW_METRICS
+            else v / max(count, 1)
+        )
+        for k, v in values.items()
+    }

@@ -24,7 +24,9 @@ def stablemax_cross_entropy(logits, labels, valid_mask):
 
 
 def softmax_cross_entropy(logits, labels, valid_mask):
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.where(valid_mask, labels, 0))
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(valid_mask, labels, 0)
+    )
     return jnp.where(valid_mask, losses, 0)
 
 
@@ -60,8 +62,9 @@ def act_loss_and_metrics(carry, outputs: dict, loss_type: str):
     metrics["q_halt_loss"] = jax.lax.stop_gradient(q_halt_loss)
     q_continue_loss = 0.0
     if "target_q_continue" in outputs:
-        q_continue_loss = optax.sigmoid_binary_cross_entropy(outputs["q_continue_logits"],
-                                                             outputs["target_q_continue"]).sum()
+        q_continue_loss = optax.sigmoid_binary_cross_entropy(
+            outputs["q_continue_logits"], outputs["target_q_continue"]
+        ).sum()
         metrics["q_continue_loss"] = jax.lax.stop_gradient(q_continue_loss)
     loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)
     outputs = {**jax.lax.stop_gradient(outputs), "preds": preds}

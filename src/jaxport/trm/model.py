@@ -15,9 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxport.nn import (Attention, Embedding, Linear, SwiGLU, rms_norm, rotary_cos_sin, swiglu_intermediate_size,
-                        truncated_normal)
 from jaxport.errors import JaxportError
+from jaxport.nn import (
+    Attention,
+    Embedding,
+    Linear,
+    SwiGLU,
+    rms_norm,
+    rotary_cos_sin,
+    swiglu_intermediate_size,
+    truncated_normal,
+)
 from jaxport.trm.config import TRMConfig
 from jaxport.trm.losses import act_loss_and_metrics
 
@@ -37,9 +45,9 @@ class InnerCarry:
 @struct.dataclass
 class Carry:
     inner_carry: InnerCarry
-    steps: jax.Array           # [B] int32
-    halted: jax.Array          # [B] bool
-    current_data: dict         # BATCH_KEYS -> the rows each carry slot is working on
+    steps: jax.Array  # [B] int32
+    halted: jax.Array  # [B] bool
+    current_data: dict  # BATCH_KEYS -> the rows each carry slot is working on
 
 
 class Block(nnx.Module):
@@ -98,7 +106,9 @@ class TRMInner(nnx.Module):
         self.dtype = jnp.dtype(config.forward_dtype)
         self.num_puzzle_positions = config.num_puzzle_positions
         embed_std = 1.0 / math.sqrt(config.hidden_size)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, init_std=embed_std, dtype=self.dtype, rngs=rngs)
+        self.embed_tokens = Embedding(
+            config.vocab_size, config.hidden_size, init_std=embed_std, dtype=self.dtype, rngs=rngs
+        )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, rngs=rngs)
         self.q_head = Linear(config.hidden_size, 2, bias=True, rngs=rngs)
         # Upstream starts with "never halt early": zero weights, bias -5.
@@ -107,8 +117,13 @@ class TRMInner(nnx.Module):
         if config.puzzle_emb_ndim > 0:
             self.puzzle_emb = SparsePuzzleEmbedding(config.num_puzzle_identifiers, config.puzzle_emb_ndim)
         if config.pos_encodings == "learned":
-            self.embed_pos = Embedding(config.seq_len + self.num_puzzle_positions, config.hidden_size,
-                                       init_std=embed_std, dtype=self.dtype, rngs=rngs)
+            self.embed_pos = Embedding(
+                config.seq_len + self.num_puzzle_positions,
+                config.hidden_size,
+                init_std=embed_std,
+                dtype=self.dtype,
+                rngs=rngs,
+            )
         self.L_level = ReasoningModule(config, rngs)
         self.H_init = Buffer(truncated_normal(1.0)(rngs.params(), (config.hidden_size,), self.dtype))
         self.L_init = Buffer(truncated_normal(1.0)(rngs.params(), (config.hidden_size,), self.dtype))
@@ -120,7 +135,9 @@ class TRMInner(nnx.Module):
             B = inputs_BL.shape[0]
             pad = self.num_puzzle_positions * config.hidden_size - puzzle_rows_BE.shape[-1]
             puzzle_BE = jnp.pad(puzzle_rows_BE.astype(self.dtype), ((0, 0), (0, pad)))
-            x_BSD = jnp.concatenate([puzzle_BE.reshape(B, self.num_puzzle_positions, config.hidden_size), x_BSD], axis=1)
+            x_BSD = jnp.concatenate(
+                [puzzle_BE.reshape(B, self.num_puzzle_positions, config.hidden_size), x_BSD], axis=1
+            )
         if config.pos_encodings == "learned":
             x_BSD = 0.707106781 * (x_BSD + self.embed_pos.embedding_weight[...].astype(self.dtype))
         return math.sqrt(config.hidden_size) * x_BSD
@@ -128,18 +145,22 @@ class TRMInner(nnx.Module):
     def cos_sin(self, num_positions: int):
         if self.config.pos_encodings != "rope":
             return None
-        return rotary_cos_sin(self.config.hidden_size // self.config.num_heads, jnp.arange(num_positions),
-                              self.config.rope_theta)
+        return rotary_cos_sin(
+            self.config.hidden_size // self.config.num_heads, jnp.arange(num_positions), self.config.rope_theta
+        )
 
     def reset(self, reset_B, carry: InnerCarry) -> InnerCarry:
         reset_B11 = reset_B[:, None, None]
-        return InnerCarry(z_H=jnp.where(reset_B11, self.H_init[...], carry.z_H),
-                          z_L=jnp.where(reset_B11, self.L_init[...], carry.z_L))
+        return InnerCarry(
+            z_H=jnp.where(reset_B11, self.H_init[...], carry.z_H), z_L=jnp.where(reset_B11, self.L_init[...], carry.z_L)
+        )
 
     def recurse(self, z_H, z_L, x_BSD, cos_sin, unroll: bool):
         """One H cycle: L_cycles updates of z_L from (z_H + input), then z_H from z_L."""
+
         def l_step(_, z_L):
             return self.L_level(z_L, z_H + x_BSD, cos_sin)
+
         if unroll:
             for _ in range(self.config.L_cycles):
                 z_L = l_step(None, z_L)
@@ -153,23 +174,26 @@ class TRMInner(nnx.Module):
             for _ in range(self.config.H_cycles - 1):
                 z_H, z_L = self.recurse(z_H, z_L, x_BSD, cos_sin, unroll)
         else:
-            z_H, z_L = jax.lax.fori_loop(0, self.config.H_cycles - 1,
-                                         lambda _, z: self.recurse(*z, x_BSD, cos_sin, unroll), (z_H, z_L))
+            z_H, z_L = jax.lax.fori_loop(
+                0, self.config.H_cycles - 1, lambda _, z: self.recurse(*z, x_BSD, cos_sin, unroll), (z_H, z_L)
+            )
         z_H, z_L = jax.lax.stop_gradient(z_H), jax.lax.stop_gradient(z_L)
         return self.recurse(z_H, z_L, x_BSD, cos_sin, unroll)
 
     def __call__(self, carry: InnerCarry, data: dict, puzzle_rows_BE, unroll: bool = True, row_chunks: int = 1):
         x_BSD = self.input_embeddings(data["inputs"], puzzle_rows_BE)
         cos_sin = self.cos_sin(x_BSD.shape[1])
+
         # Rows are independent until the loss, so the recursion may run on row chunks (see
         # TRM.chunks_for). Chunk c holds rows c, c + n, ...: a reshape, so every device keeps
         # its own rows of a batch-sharded array.
         def chunk(x):  # [B, ...] -> [B // n, n, ...]
             return x.reshape(x.shape[0] // row_chunks, row_chunks, *x.shape[1:])
+
         z_H_BnSD, z_L_BnSD, x_BnSD = chunk(carry.z_H), chunk(carry.z_L), chunk(x_BSD)
         chunks = [self.reason(z_H_BnSD[:, c], z_L_BnSD[:, c], x_BnSD[:, c], cos_sin, unroll) for c in range(row_chunks)]
         z_H, z_L = (jnp.stack(zs, axis=1).reshape(carry.z_H.shape) for zs in zip(*chunks))
-        logits_BLV = self.lm_head(z_H)[:, self.num_puzzle_positions:]
+        logits_BLV = self.lm_head(z_H)[:, self.num_puzzle_positions :]
         q_B2 = self.q_head(z_H[:, 0]).astype(jnp.float32)
         new_carry = InnerCarry(z_H=jax.lax.stop_gradient(z_H), z_L=jax.lax.stop_gradient(z_L))
         return new_carry, logits_BLV, q_B2[:, 0], q_B2[:, 1]
@@ -180,8 +204,10 @@ class TRM(nnx.Module):
 
     def __init__(self, config: TRMConfig, *, rngs: nnx.Rngs, unroll_cycles: bool = True, row_chunks: int | None = None):
         if config.seq_len is None and (config.mlp_t or config.pos_encodings == "learned"):
-            raise JaxportError("arch.mlp_t and learned positions have the sequence length in their weights: "
-                               "give seq_len (it comes from the dataset's dataset.json)")
+            raise JaxportError(
+                "arch.mlp_t and learned positions have the sequence length in their weights: "
+                "give seq_len (it comes from the dataset's dataset.json)"
+            )
         self.config = config
         self.inner = TRMInner(config, rngs)
         self.halt_rng = nnx.Rngs(halt=rngs.params())
@@ -210,17 +236,25 @@ class TRM(nnx.Module):
         """All rows halted, so the first call loads every row of its batch and resets the state."""
         inputs = jnp.asarray(batch["inputs"])
         B, L = inputs.shape
-        shape = (B, L + (self.inner.num_puzzle_positions if self.config.puzzle_emb_ndim > 0 else 0),
-                 self.config.hidden_size)
-        return Carry(inner_carry=InnerCarry(z_H=jnp.zeros(shape, self.inner.dtype), z_L=jnp.zeros(shape, self.inner.dtype)),
-                     steps=jnp.zeros((B,), jnp.int32), halted=jnp.ones((B,), bool),
-                     current_data={k: jnp.zeros_like(jnp.asarray(batch[k])) for k in BATCH_KEYS})
+        shape = (
+            B,
+            L + (self.inner.num_puzzle_positions if self.config.puzzle_emb_ndim > 0 else 0),
+            self.config.hidden_size,
+        )
+        return Carry(
+            inner_carry=InnerCarry(z_H=jnp.zeros(shape, self.inner.dtype), z_L=jnp.zeros(shape, self.inner.dtype)),
+            steps=jnp.zeros((B,), jnp.int32),
+            halted=jnp.ones((B,), bool),
+            current_data={k: jnp.zeros_like(jnp.asarray(batch[k])) for k in BATCH_KEYS},
+        )
 
     def load_rows(self, carry: Carry, batch: dict):
         """Rows that halted take the new batch's data and the initial state; the others continue."""
         halted = carry.halted
-        data = {k: jnp.where(halted.reshape((-1,) + (1,) * (jnp.ndim(batch[k]) - 1)), jnp.asarray(batch[k]), v)
-                for k, v in carry.current_data.items()}
+        data = {
+            k: jnp.where(halted.reshape((-1,) + (1,) * (jnp.ndim(batch[k]) - 1)), jnp.asarray(batch[k]), v)
+            for k, v in carry.current_data.items()
+        }
         return self.inner.reset(halted, carry.inner_carry), jnp.where(halted, 0, carry.steps), data
 
     def puzzle_rows(self, data: dict):
@@ -231,7 +265,9 @@ class TRM(nnx.Module):
         """The ACT step after `load_rows`: run the inner model and decide which rows halt."""
         config = self.config
         row_chunks = self.chunks_for(steps.shape[0])
-        inner_carry, logits, q_halt, q_continue = self.inner(inner_carry, data, puzzle_rows_BE, self.unroll_cycles, row_chunks)
+        inner_carry, logits, q_halt, q_continue = self.inner(
+            inner_carry, data, puzzle_rows_BE, self.unroll_cycles, row_chunks
+        )
         outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}
         steps = steps + 1
         is_last_step = steps >= config.halt_max_steps
@@ -245,8 +281,9 @@ class TRM(nnx.Module):
             halted = halted & (steps >= min_halt_steps)
             if not config.no_ACT_continue:
                 # Q-learning target from the next step, as the paper describes.
-                _, _, next_q_halt, next_q_continue = self.inner(inner_carry, data, puzzle_rows_BE, self.unroll_cycles,
-                                                                row_chunks)
+                _, _, next_q_halt, next_q_continue = self.inner(
+                    inner_carry, data, puzzle_rows_BE, self.unroll_cycles, row_chunks
+                )
                 target = jnp.where(is_last_step, next_q_halt, jnp.maximum(next_q_halt, next_q_continue))
                 outputs["target_q_continue"] = jax.lax.stop_gradient(jax.nn.sigmoid(target))
         return Carry(inner_carry, steps, halted, data), outputs
@@ -271,6 +308,7 @@ class TRM(nnx.Module):
 def _forward(graphdef, state, carry: Carry, batch: dict):
     model = nnx.merge(graphdef, state)
     return model.forward(carry, batch), nnx.state(model)
+
 
 def loss_and_grad(model: TRM, carry: Carry, batch: dict, global_batch_size: int, halt_key=None):
     """One training-mode ACT call and the gradient of `loss / global_batch_size` (upstream's

@@ -47,8 +47,10 @@ def _variable(model: TRM, key: str) -> nnx.Variable:
 
 def state_dict(model: TRM) -> dict[str, np.ndarray]:
     """Upstream-named numpy arrays: parameters float32, H_init/L_init in the forward dtype."""
-    return {NAMES.to_checkpoint(path_parts(key)): np.asarray(_variable(model, key)[...])
-            for key in upstream_keys(model.config)}
+    return {
+        NAMES.to_checkpoint(path_parts(key)): np.asarray(_variable(model, key)[...])
+        for key in upstream_keys(model.config)
+    }
 
 
 def relative_weights(raw: dict) -> dict:
@@ -85,9 +87,14 @@ def _sizes_from_weights(weights: dict, arch: dict, hidden: int) -> dict:
     return sizes
 
 
-def load_upstream_checkpoint(checkpoint_path: str | Path, config_path: str | Path, *,
-                             num_puzzle_identifiers: int | None = None, seed: int = 0,
-                             unroll_cycles: bool = True) -> TRM:
+def load_upstream_checkpoint(
+    checkpoint_path: str | Path,
+    config_path: str | Path,
+    *,
+    num_puzzle_identifiers: int | None = None,
+    seed: int = 0,
+    unroll_cycles: bool = True,
+) -> TRM:
     """Read an upstream `step_N` file with its `all_config.yaml` into a TRM (ACT model + loss head).
 
     A `num_puzzle_identifiers` different from the checkpoint's table (e.g. a new dataset)
@@ -122,9 +129,10 @@ def check_keys(config: TRMConfig, weights: dict, source: Path) -> None:
             parts.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
         if unexpected:
             parts.append(f"unexpected {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
-        raise JaxportError(f"checkpoint {source} does not fit the config (arch mlp_t={config.mlp_t}, "
-                           f"pos_encodings={config.pos_encodings}, L_layers={config.L_layers}): "
-                           + "; ".join(parts))
+        raise JaxportError(
+            f"checkpoint {source} does not fit the config (arch mlp_t={config.mlp_t}, "
+            f"pos_encodings={config.pos_encodings}, L_layers={config.L_layers}): " + "; ".join(parts)
+        )
 
 
 def load_state_dict(model: TRM, weights: dict, source: Path) -> None:
@@ -137,8 +145,9 @@ def load_state_dict(model: TRM, weights: dict, source: Path) -> None:
         if key == "puzzle_emb.weights" and value.shape != want and value.shape[1:] == want[1:]:
             value = np.broadcast_to(value.astype(np.float32).mean(axis=0, keepdims=True), want)
         if value.shape != want:
-            raise JaxportError(f"checkpoint {source}: tensor {key} has shape {list(value.shape)}, "
-                               f"but the config needs {list(want)}")
+            raise JaxportError(
+                f"checkpoint {source}: tensor {key} has shape {list(value.shape)}, but the config needs {list(want)}"
+            )
         variable[...] = jnp.asarray(value, dtype=variable[...].dtype)
 
 

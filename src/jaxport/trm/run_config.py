@@ -40,7 +40,7 @@ def _compose(choices: dict[str, str]) -> dict:
     config = _preset(None, "cfg_pretrain")
     for entry in config.pop("defaults", []):
         if isinstance(entry, dict):
-            (group, option), = entry.items()
+            ((group, option),) = entry.items()
             config[group] = _preset(group, choices.get(group, option))
     return config
 
@@ -66,8 +66,10 @@ def parse_overrides(overrides: list[str]):
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as err:
-        raise JaxportError(f"cannot parse override: {str(err).splitlines()[0]} (expected key=value, see "
-                           f"https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+        raise JaxportError(
+            f"cannot parse override: {str(err).splitlines()[0]} (expected key=value, see "
+            f"https://hydra.cc/docs/advanced/override_grammar/basic)"
+        ) from None
     for override in parsed:
         if override.is_sweep_override():
             raise JaxportError(f"override {override.input_line!r} is a sweep; give one value per key")
@@ -106,5 +108,6 @@ def load_run_config(overrides: list[str], base: dict | None = None) -> RunConfig
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         raise JaxportError(f"config interpolation failed: {str(err).splitlines()[0]}") from None
-    return validate(RunConfig, resolved, "the run config",
-                    unknown_key_hint="" if base is None else " (from the saved config)")
+    return validate(
+        RunConfig, resolved, "the run config", unknown_key_hint="" if base is None else " (from the saved config)"
+    )

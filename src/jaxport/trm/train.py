@@ -37,8 +37,8 @@ FLUSH_EVERY = 32  # steps whose metrics are read from the devices in one transfe
 @struct.dataclass
 class TrainState:
     step: jax.Array
-    params: nnx.State        # trained by Adam-atan2
-    buffers: nnx.State       # H_init, L_init, the puzzle-embedding table (sign-SGD)
+    params: nnx.State  # trained by Adam-atan2
+    buffers: nnx.State  # H_init, L_init, the puzzle-embedding table (sign-SGD)
     opt_state: optax.OptState
     ema: nnx.State | None
     carry: Carry
@@ -55,28 +55,48 @@ class Trainer:
             if not Path(path).exists():
                 raise JaxportError(f"data path not found: {path} (build it with `jaxport trm build ...`)")
         if config.global_batch_size % self.mesh.devices.size:
-            raise JaxportError(f"global_batch_size={config.global_batch_size} is not divisible by the "
-                               f"{self.mesh.devices.size} devices; use a multiple of {self.mesh.devices.size}")
+            raise JaxportError(
+                f"global_batch_size={config.global_batch_size} is not divisible by the "
+                f"{self.mesh.devices.size} devices; use a multiple of {self.mesh.devices.size}"
+            )
         epochs_per_iter = config.eval_interval or config.epochs
         self.total_iters = config.epochs // epochs_per_iter
         self.gbs = config.global_batch_size
-        self.train_loader = PuzzleDataset(config.data_paths, "train", global_batch_size=self.gbs,
-                                          test_set_mode=False, epochs_per_iter=epochs_per_iter, seed=config.seed,
-                                          rank=self.rank, num_replicas=self.world)
+        self.train_loader = PuzzleDataset(
+            config.data_paths,
+            "train",
+            global_batch_size=self.gbs,
+            test_set_mode=False,
+            epochs_per_iter=epochs_per_iter,
+            seed=config.seed,
+            rank=self.rank,
+            num_replicas=self.world,
+        )
         meta = self.train_loader.metadata
         eval_paths = config.data_paths_test or config.data_paths
         self.eval_loader = None
         if all((Path(p) / "test" / "dataset.json").exists() for p in eval_paths):
-            self.eval_loader = PuzzleDataset(eval_paths, "test", global_batch_size=self.gbs, test_set_mode=True,
-                                             seed=config.seed, rank=self.rank, num_replicas=self.world)
+            self.eval_loader = PuzzleDataset(
+                eval_paths,
+                "test",
+                global_batch_size=self.gbs,
+                test_set_mode=True,
+                seed=config.seed,
+                rank=self.rank,
+                num_replicas=self.world,
+            )
         # the arrays are read now: a truncated or mismatched one stops the run before its folder is touched
         for loader in filter(None, (self.train_loader, self.eval_loader)):
             loader.load()
         self.total_steps = int(config.epochs * meta.total_groups * meta.mean_puzzle_examples / self.gbs)
-        self.model_config = TRMConfig.from_arch(config.arch.model_dump(), source="the run config's arch",
-                                                vocab_size=meta.vocab_size, seq_len=meta.seq_len,
-                                                num_puzzle_identifiers=meta.num_puzzle_identifiers,
-                                                batch_size=config.global_batch_size)
+        self.model_config = TRMConfig.from_arch(
+            config.arch.model_dump(),
+            source="the run config's arch",
+            vocab_size=meta.vocab_size,
+            seq_len=meta.seq_len,
+            num_puzzle_identifiers=meta.num_puzzle_identifiers,
+            batch_size=config.global_batch_size,
+        )
         self.run_dir = Path(config.checkpoint_path)
         self.model = TRM(self.model_config, rngs=nnx.Rngs(config.seed))
         if config.load_checkpoint:
@@ -84,18 +104,27 @@ class Trainer:
         self.model.train()
         self.graphdef, params, buffers, self.rest = nnx.split(self.model, nnx.Param, Buffer, ...)
         self.use_puzzle_emb = self.model_config.puzzle_emb_ndim > 0
-        self.tx = optax.inject_hyperparams(adam_atan2)(learning_rate=config.lr, b1=config.beta1,
-                                                        b2=config.beta2, weight_decay=config.weight_decay)
+        self.tx = optax.inject_hyperparams(adam_atan2)(
+            learning_rate=config.lr, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay
+        )
         self.evaluators = self._make_evaluators()
         self._train_step = jax.jit(self._step, donate_argnums=0)
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
         self.iteration = 0
         self.pending = []  # (step, lr, device outputs) of steps whose metrics are not read yet
-        self.run = Run(self.run_dir, config=config.model_dump(), config_name="all_config.yaml",
-                       total_steps=self.total_steps, loggers=config.loggers, keep_last=config.keep_last,
-                       keep_every=config.keep_every, project=config.project_name, name=config.run_name,
-                       shown=("lm_loss", "accuracy"))
+        self.run = Run(
+            self.run_dir,
+            config=config.model_dump(),
+            config_name="all_config.yaml",
+            total_steps=self.total_steps,
+            loggers=config.loggers,
+            keep_last=config.keep_last,
+            keep_every=config.keep_every,
+            project=config.project_name,
+            name=config.run_name,
+            shown=("lm_loss", "accuracy"),
+        )
 
     # ----- set-up
 
@@ -116,19 +145,31 @@ class Trainer:
             if spec.name.split("@")[-1] != "ARC":
                 raise JaxportError(f"unknown evaluator {spec.name!r} (jaxport has arc@ARC)")
             from jaxport.trm.arc_eval import ARCEvaluator
+
             data_path = (self.config.data_paths_test or self.config.data_paths)[0]
-            evaluators.append(ARCEvaluator(data_path, blank_identifier_id=self.train_loader.metadata.blank_identifier_id,
-                                           **spec.model_extra))
+            evaluators.append(
+                ARCEvaluator(
+                    data_path, blank_identifier_id=self.train_loader.metadata.blank_identifier_id, **spec.model_extra
+                )
+            )
         return evaluators
 
     def _init_state(self, params, buffers) -> TrainState:
         meta = self.train_loader.metadata
-        global_shape = {"inputs": (self.gbs, meta.seq_len), "labels": (self.gbs, meta.seq_len),
-                        "puzzle_identifiers": (self.gbs,)}
+        global_shape = {
+            "inputs": (self.gbs, meta.seq_len),
+            "labels": (self.gbs, meta.seq_len),
+            "puzzle_identifiers": (self.gbs,),
+        }
         carry = self.model.initial_carry({k: np.zeros(s, np.int32) for k, s in global_shape.items()})
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, buffers=buffers,
-                           opt_state=self.tx.init(params), ema=ema_init(params) if self.config.ema else None,
-                           carry=None)
+        state = TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            buffers=buffers,
+            opt_state=self.tx.init(params),
+            ema=ema_init(params) if self.config.ema else None,
+            carry=None,
+        )
         state = replicate(state, self.mesh)
         return dataclasses.replace(state, carry=shard_leading(carry, self.mesh))
 
@@ -136,8 +177,9 @@ class Trainer:
 
     def _step(self, state: TrainState, batch: dict, lr, puzzle_lr, halt_key):
         model = nnx.merge(self.graphdef, state.params, state.buffers, self.rest)
-        (carry, loss, metrics, _), (param_grads, row_grads) = loss_and_grad(model, state.carry, batch, self.gbs,
-                                                                            halt_key)
+        (carry, loss, metrics, _), (param_grads, row_grads) = loss_and_grad(
+            model, state.carry, batch, self.gbs, halt_key
+        )
         params, opt_state, buffers = state.params, state.opt_state, state.buffers
         if not self.config.freeze_weights:
             opt_state.hyperparams["learning_rate"] = lr
@@ -145,11 +187,17 @@ class Trainer:
             params = optax.apply_updates(params, updates)
         if self.use_puzzle_emb:
             table = buffers["inner"]["puzzle_emb"]["weights"]
-            table.value = sparse_sign_sgd_update(table.value, carry.current_data["puzzle_identifiers"], row_grads,
-                                                 puzzle_lr, self.config.puzzle_emb_weight_decay)
+            table.value = sparse_sign_sgd_update(
+                table.value,
+                carry.current_data["puzzle_identifiers"],
+                row_grads,
+                puzzle_lr,
+                self.config.puzzle_emb_weight_decay,
+            )
         ema = ema_update(state.ema, params, self.config.ema_rate) if state.ema is not None else None
-        new_state = TrainState(step=state.step + 1, params=params, buffers=buffers, opt_state=opt_state, ema=ema,
-                               carry=carry)
+        new_state = TrainState(
+            step=state.step + 1, params=params, buffers=buffers, opt_state=opt_state, ema=ema, carry=carry
+        )
         weights_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((params, buffers))]))
         return new_state, {"loss": loss, "metrics": metrics, "weights_finite": weights_finite}
 
@@ -162,12 +210,17 @@ class Trainer:
         if step > self.total_steps:
             return False
         config = self.config
-        lr_args = dict(step=step, total_steps=self.total_steps, lr_warmup_steps=config.lr_warmup_steps,
-                       lr_min_ratio=config.lr_min_ratio)
+        lr_args = dict(
+            step=step,
+            total_steps=self.total_steps,
+            lr_warmup_steps=config.lr_warmup_steps,
+            lr_min_ratio=config.lr_min_ratio,
+        )
         lr = compute_lr(config.lr, **lr_args)
         puzzle_lr = compute_lr(config.puzzle_emb_lr, **lr_args)
-        self.state, outputs = self._train_step(self.state, shard_batch(batch, self.mesh), jnp.float32(lr),
-                                               jnp.float32(puzzle_lr), self.halt_key(step))
+        self.state, outputs = self._train_step(
+            self.state, shard_batch(batch, self.mesh), jnp.float32(lr), jnp.float32(puzzle_lr), self.halt_key(step)
+        )
         self.step = step
         self.pending.append((step, lr, outputs))
         if len(self.pending) >= FLUSH_EVERY:
@@ -182,8 +235,9 @@ class Trainer:
         for (step, lr, _), out in zip(pending, outputs):
             self.run.check_finite(step, out["loss"])
             if not out["weights_finite"]:
-                self.run.check_finite(step, math.nan, what=f"the update (lr {lr:.3g}) made the weights "
-                                                           f"non-finite: a weight")
+                self.run.check_finite(
+                    step, math.nan, what=f"the update (lr {lr:.3g}) made the weights non-finite: a weight"
+                )
             reduced = reduce_train_metrics(out["metrics"], self.gbs)
             self.run.log(step, {f"train/{k}": v for k, v in reduced.items()} | {"train/lr": lr})
 
@@ -202,9 +256,15 @@ class Trainer:
             return {}
         saved = self.config.eval_save_outputs
         batches = ((set_name, shard_batch(batch, self.mesh), batch) for set_name, batch, _ in self.eval_loader)
-        result, outputs = evaluate(self.eval_model(), batches, self.evaluators, lambda x: local_rows(x, self.mesh),
-                                   save_keys=saved, save_dir=self.run_dir / f"evaluator_step_{self.step}",
-                                   is_main=self.rank == 0)
+        result, outputs = evaluate(
+            self.eval_model(),
+            batches,
+            self.evaluators,
+            lambda x: local_rows(x, self.mesh),
+            save_keys=saved,
+            save_dir=self.run_dir / f"evaluator_step_{self.step}",
+            is_main=self.rank == 0,
+        )
         if saved and outputs:  # upstream: every process saves its own rows, step_N_all_preds.RANK
             save_torch_file(outputs, self.run_dir / f"step_{self.step}_all_preds.{self.rank}")
         return result
@@ -269,8 +329,12 @@ class Trainer:
                 self.save()
         self.flush()
         png = run.close()
-        return {"step": self.step, "eval": last_eval, "run_dir": str(self.run_dir),
-                "learning_curves": str(png) if png else None}
+        return {
+            "step": self.step,
+            "eval": last_eval,
+            "run_dir": str(self.run_dir),
+            "learning_curves": str(png) if png else None,
+        }
 
 
 def default_run_paths(config: RunConfig) -> RunConfig:
@@ -278,8 +342,11 @@ def default_run_paths(config: RunConfig) -> RunConfig:
     data_name = Path(config.data_paths[0]).name if config.data_paths else "data"
     project = config.project_name or f"{data_name.capitalize()}-ACT-jax"
     run_name = config.run_name or f"{config.arch.name.split('@')[-1]}-seed{config.seed}"
-    return config.replace(project_name=project, run_name=run_name,
-                          checkpoint_path=config.checkpoint_path or str(Path("checkpoints") / project / run_name))
+    return config.replace(
+        project_name=project,
+        run_name=run_name,
+        checkpoint_path=config.checkpoint_path or str(Path("checkpoints") / project / run_name),
+    )
 
 
 def train(config: RunConfig, mesh=None) -> dict:

@@ -3,4 +3,4 @@ batch_size = 8
 eval_iters = 500  # more batches for a better estimate
 eval_only = True
 wandb_log = False
-init_from = 'gpt2-medium'
+init_from = "gpt2-medium"

@@ -2,15 +2,15 @@
 # `jaxport gpt prepare shakespeare` first; the GPT-2 weights come from a local Hugging Face folder.
 import time
 
-out_dir = 'out-shakespeare'
+out_dir = "out-shakespeare"
 eval_interval = 5
 eval_iters = 40
 wandb_log = False
-wandb_project = 'shakespeare'
-wandb_run_name = 'ft-' + str(time.time())
+wandb_project = "shakespeare"
+wandb_run_name = "ft-" + str(time.time())
 
-dataset = 'shakespeare'
-init_from = 'gpt2-xl'  # the largest GPT-2
+dataset = "shakespeare"
+init_from = "gpt2-xl"  # the largest GPT-2
 
 # save only when the validation loss improves
 always_save_checkpoint = False

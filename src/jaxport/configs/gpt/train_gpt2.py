@@ -2,8 +2,8 @@
 # 12 sequences x 1024 tokens x 40 accumulation steps (x devices of the data axis).
 
 wandb_log = True
-wandb_project = 'owt'
-wandb_run_name = 'gpt2-124M'
+wandb_project = "owt"
+wandb_run_name = "gpt2-124M"
 
 batch_size = 12
 block_size = 1024

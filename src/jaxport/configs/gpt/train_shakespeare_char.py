@@ -1,7 +1,7 @@
 # A baby GPT on character-level Shakespeare (nanoGPT's config/train_shakespeare_char.py).
 # `jaxport gpt prepare shakespeare_char` first. Tuned for one GPU; on a CPU see the README.
 
-out_dir = 'out-shakespeare-char'
+out_dir = "out-shakespeare-char"
 eval_interval = 250  # evaluate often: this model overfits
 eval_iters = 200
 log_interval = 10
@@ -10,10 +10,10 @@ log_interval = 10
 always_save_checkpoint = False
 
 wandb_log = False
-wandb_project = 'shakespeare-char'
-wandb_run_name = 'mini-gpt'
+wandb_project = "shakespeare-char"
+wandb_run_name = "mini-gpt"
 
-dataset = 'shakespeare_char'
+dataset = "shakespeare_char"
 gradient_accumulation_steps = 1
 batch_size = 64
 block_size = 256  # characters of context

@@ -31,18 +31,26 @@ SEPARATOR = "|||"
 
 
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxport trm build arc", add_help=add_help,
-                                description="Build an ARC dataset in upstream TRM's format.")
-    p.add_argument("--input-file-prefix", required=True,
-                   help="path prefix of the kaggle files, e.g. data/arc-agi (reads <prefix>_<subset>_challenges.json)")
+    p = argparse.ArgumentParser(
+        prog="jaxport trm build arc", add_help=add_help, description="Build an ARC dataset in upstream TRM's format."
+    )
+    p.add_argument(
+        "--input-file-prefix",
+        required=True,
+        help="path prefix of the kaggle files, e.g. data/arc-agi (reads <prefix>_<subset>_challenges.json)",
+    )
     p.add_argument("--output-dir", required=True, help="dataset folder to write")
     p.add_argument("--subsets", nargs="+", required=True, help="subset names, e.g. training evaluation concept")
     p.add_argument("--test-set-name", required=True, help="subset whose test examples form the test split")
     p.add_argument("--test-set-name2", default="evaluation2", help="a second such subset")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--num-aug", type=int, default=1000, help="augmented versions per puzzle")
-    p.add_argument("--puzzle-identifiers-start", type=int, default=1,
-                   help="first puzzle identifier (0 is blank); raise it to combine datasets")
+    p.add_argument(
+        "--puzzle-identifiers-start",
+        type=int,
+        default=1,
+        help="first puzzle identifier (0 is blank); raise it to combine datasets",
+    )
     return p
 
 
@@ -58,8 +66,9 @@ def arc_grid_to_np(grid, where: str = "grid") -> np.ndarray:
     except ValueError:
         raise JaxportError(f"{where}: not a rectangular grid") from None
     if arr.ndim != 2 or arr.shape[0] > GRID or arr.shape[1] > GRID or not np.all((arr >= 0) & (arr <= 9)):
-        raise JaxportError(f"{where}: an ARC grid must be 2-D, at most {GRID}x{GRID}, with colours 0..9 "
-                           f"(got shape {arr.shape})")
+        raise JaxportError(
+            f"{where}: an ARC grid must be 2-D, at most {GRID}x{GRID}, with colours 0..9 (got shape {arr.shape})"
+        )
     return arr.astype(np.uint8)
 
 
@@ -103,9 +112,9 @@ def to_canvas(inp: np.ndarray, out: np.ndarray, translate: bool, rng: np.random.
         rows, cols = grid.shape
         canvas = np.pad(grid + 2, ((top, GRID - top - rows), (left, GRID - left - cols)), constant_values=0)
         if top + rows < GRID:
-            canvas[top + rows, left:left + cols] = 1
+            canvas[top + rows, left : left + cols] = 1
         if left + cols < GRID:
-            canvas[top:top + rows, left + cols] = 1
+            canvas[top : top + rows, left + cols] = 1
         seqs.append(canvas.flatten())
     return seqs
 
@@ -119,14 +128,17 @@ def convert_puzzle(results: dict, name: str, puzzle: dict, num_aug: int, dest_of
             continue
         where = f"puzzle {name} {example_type}"
         original[dest_of[example_type]].examples.extend(
-            (arc_grid_to_np(e["input"], where), arc_grid_to_np(e["output"], where)) for e in examples)
+            (arc_grid_to_np(e["input"], where), arc_grid_to_np(e["output"], where)) for e in examples
+        )
 
     group = [original]
     if num_aug > 0:
         seen = {puzzle_hash(original)}
         for _ in range(AUGMENT_RETRIES_FACTOR * num_aug):
             aug_name, map_grid = augment(name, rng)
-            version = {d: Puzzle(aug_name, [(map_grid(i), map_grid(o)) for i, o in p.examples]) for d, p in original.items()}
+            version = {
+                d: Puzzle(aug_name, [(map_grid(i), map_grid(o)) for i, o in p.examples]) for d, p in original.items()
+            }
             h = puzzle_hash(version)
             if h not in seen:
                 seen.add(h)
@@ -216,15 +228,24 @@ def build_arc(args: argparse.Namespace) -> Path:
                 total_groups += 1
             total_examples += len(inputs)
             arrays_by_set[set_name] = {
-                "inputs": np.stack(inputs, 0), "labels": np.stack(labels, 0),
+                "inputs": np.stack(inputs, 0),
+                "labels": np.stack(labels, 0),
                 "puzzle_identifiers": np.array(identifiers, dtype=np.int32),
                 "puzzle_indices": np.array(puzzle_indices, dtype=np.int32),
                 "group_indices": np.array(group_indices, dtype=np.int32),
             }
-        metadata = PuzzleDatasetMetadata(pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=12,
-                                         seq_len=GRID * GRID, num_puzzle_identifiers=next_id, total_groups=total_groups,
-                                         mean_puzzle_examples=total_examples / total_puzzles,
-                                         total_puzzles=total_puzzles, sets=list(split.keys()))
+        metadata = PuzzleDatasetMetadata(
+            pad_id=0,
+            ignore_label_id=0,
+            blank_identifier_id=0,
+            vocab_size=12,
+            seq_len=GRID * GRID,
+            num_puzzle_identifiers=next_id,
+            total_groups=total_groups,
+            mean_puzzle_examples=total_examples / total_puzzles,
+            total_puzzles=total_puzzles,
+            sets=list(split.keys()),
+        )
         write_split(output_dir, split_name, arrays_by_set, metadata)
 
     names = {v: k for k, v in identifier_of.items()}

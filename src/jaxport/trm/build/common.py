@@ -41,8 +41,9 @@ def inverse_dihedral_transform(grid: np.ndarray, tid: int) -> np.ndarray:
     return dihedral_transform(grid, DIHEDRAL_INVERSE[tid])
 
 
-def write_split(output_dir: Path, split: str, arrays_by_set: dict[str, dict[str, np.ndarray]],
-                metadata: PuzzleDatasetMetadata) -> None:
+def write_split(
+    output_dir: Path, split: str, arrays_by_set: dict[str, dict[str, np.ndarray]], metadata: PuzzleDatasetMetadata
+) -> None:
     """Write `<output_dir>/<split>/dataset.json` and `<set>__<field>.npy` for every set."""
     split_dir = Path(output_dir) / split
     split_dir.mkdir(parents=True, exist_ok=True)
@@ -80,8 +81,11 @@ def add_source_arguments(parser: argparse.ArgumentParser, default_repo: str):
     """`--source-repo` (upstream's Hugging Face dataset, the default) or `--source-dir`, exclusive;
     returns the group so a builder can add other sources to it."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--source-repo", default=default_repo,
-                       help="Hugging Face dataset to download train.csv and test.csv from (the default source)")
+    group.add_argument(
+        "--source-repo",
+        default=default_repo,
+        help="Hugging Face dataset to download train.csv and test.csv from (the default source)",
+    )
     group.add_argument("--source-dir", help="folder with train.csv and test.csv (source,question,answer,rating)")
     return group
 
@@ -96,13 +100,16 @@ def source_csv_paths(source_dir: str | None, source_repo: str) -> dict[str, Path
         return {name: source / f"{name}.csv" for name in ("train", "test")}
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     paths = {}
     for name in ("train", "test"):
         try:
             paths[name] = Path(hf_hub_download(source_repo, f"{name}.csv", repo_type="dataset"))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-            raise JaxportError(f"could not download {name}.csv of the Hugging Face dataset {source_repo} ({e}); "
-                               "without a network, pass --source-dir with local train.csv and test.csv") from None
+            raise JaxportError(
+                f"could not download {name}.csv of the Hugging Face dataset {source_repo} ({e}); "
+                "without a network, pass --source-dir with local train.csv and test.csv"
+            ) from None
     return paths
 
 
@@ -119,6 +126,8 @@ def read_puzzle_csv(path: Path) -> list[tuple[str, str, str, str]]:
         rows = []
         for line_no, row in enumerate(reader, start=2):
             if len(row) != 4:
-                raise JaxportError(f"{path}:{line_no}: expected 4 columns (source,question,answer,rating), got {len(row)}")
+                raise JaxportError(
+                    f"{path}:{line_no}: expected 4 columns (source,question,answer,rating), got {len(row)}"
+                )
             rows.append(tuple(row))
     return rows

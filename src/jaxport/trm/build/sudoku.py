@@ -18,14 +18,23 @@ from pathlib import Path
 import numpy as np
 
 from jaxport.errors import JaxportError
-from jaxport.trm.build.common import (add_source_arguments, read_puzzle_csv, single_example_arrays, source_csv_paths,
-                                      write_identifiers, write_split)
+from jaxport.trm.build.common import (
+    add_source_arguments,
+    read_puzzle_csv,
+    single_example_arrays,
+    source_csv_paths,
+    write_identifiers,
+    write_split,
+)
 from jaxport.trm.data import PuzzleDatasetMetadata
 
 
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxport trm build sudoku", add_help=add_help,
-                                description="Build a Sudoku dataset in upstream TRM's format.")
+    p = argparse.ArgumentParser(
+        prog="jaxport trm build sudoku",
+        add_help=add_help,
+        description="Build a Sudoku dataset in upstream TRM's format.",
+    )
     p.add_argument("--output-dir", default="data/sudoku-extreme-full", help="dataset folder to write")
     src = add_source_arguments(p, "sapientinc/sudoku-extreme")
     src.add_argument("--generate", action="store_true", help="generate puzzles instead of reading CSVs")
@@ -35,8 +44,12 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--num-train", type=int, default=1000, help="--generate: training puzzles")
     p.add_argument("--num-test", type=int, default=200, help="--generate: test puzzles")
     p.add_argument("--givens", type=int, default=30, help="--generate: filled cells per puzzle (17..80)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="numpy seed (upstream leaves numpy unseeded; np.random.seed(S) there equals --seed S)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="numpy seed (upstream leaves numpy unseeded; np.random.seed(S) there equals --seed S)",
+    )
     return p
 
 
@@ -68,8 +81,17 @@ def _grid(text: str, where: str, blank_ok: bool) -> np.ndarray:
     return np.frombuffer(text.replace(".", "0").encode(), dtype=np.uint8).reshape(9, 9) - ord("0")
 
 
-def convert_subset(rows, set_name: str, output_dir: Path, *, subsample_size, min_difficulty, num_aug: int,
-                   rng: np.random.RandomState, where: str) -> None:
+def convert_subset(
+    rows,
+    set_name: str,
+    output_dir: Path,
+    *,
+    subsample_size,
+    min_difficulty,
+    num_aug: int,
+    rng: np.random.RandomState,
+    where: str,
+) -> None:
     inputs, labels = [], []
     for i, (_source, question, answer, rating) in enumerate(rows):
         if min_difficulty is not None and not rating.strip().lstrip("-").isdigit():
@@ -101,9 +123,18 @@ def convert_subset(rows, set_name: str, output_dir: Path, *, subsample_size, min
 
     arrays = single_example_arrays(to_tokens(all_inputs), to_tokens(all_labels), [1 + num_aug] * len(inputs))
     groups = len(inputs)
-    metadata = PuzzleDatasetMetadata(pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=11, seq_len=81,
-                                     num_puzzle_identifiers=1, total_groups=groups, mean_puzzle_examples=1.0,
-                                     total_puzzles=groups, sets=["all"])
+    metadata = PuzzleDatasetMetadata(
+        pad_id=0,
+        ignore_label_id=0,
+        blank_identifier_id=0,
+        vocab_size=11,
+        seq_len=81,
+        num_puzzle_identifiers=1,
+        total_groups=groups,
+        mean_puzzle_examples=1.0,
+        total_puzzles=groups,
+        sets=["all"],
+    )
     write_split(output_dir, set_name, {"all": arrays}, metadata)
     write_identifiers(output_dir, ["<blank>"])
 
@@ -207,8 +238,10 @@ def generate_puzzle(givens: int, rng: np.random.RandomState, max_attempts: int =
                 puzzle[i] = kept
         if filled == givens:
             return "".join(str(v) if v else "." for v in puzzle), "".join(map(str, solution))
-    raise JaxportError(f"could not reach {givens} givens with a unique solution in {max_attempts} attempts; "
-                       f"use more givens (25 or more is quick)")
+    raise JaxportError(
+        f"could not reach {givens} givens with a unique solution in {max_attempts} attempts; "
+        f"use more givens (25 or more is quick)"
+    )
 
 
 def generate_rows(count: int, givens: int, rng: np.random.RandomState, seen: set) -> list[tuple[str, str, str, str]]:
@@ -224,7 +257,9 @@ def generate_rows(count: int, givens: int, rng: np.random.RandomState, seen: set
 def build_sudoku(args: argparse.Namespace) -> Path:
     output_dir = Path(args.output_dir)
     rng = np.random.RandomState(args.seed)
-    options = dict(subsample_size=args.subsample_size, min_difficulty=args.min_difficulty, num_aug=args.num_aug, rng=rng)
+    options = dict(
+        subsample_size=args.subsample_size, min_difficulty=args.min_difficulty, num_aug=args.num_aug, rng=rng
+    )
     if args.generate:
         seen: set = set()
         train_rows = generate_rows(args.num_train, args.givens, rng, seen)

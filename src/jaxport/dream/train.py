@@ -1,0 +1,437 @@
+"""`jaxport dream train`: masked-diffusion training of Dream, from a Hugging Face directory or from scratch.
+
+Reads like nanoGPT's train.py: a config, the data as fixed-length token rows, one compiled step
+(scan over micro-batches, clip, AdamW), and the loop, whose run folder (config snapshot, progress
+bar, `metrics.jsonl`, `learning_curves.png`, orbax checkpoints, resume, NaN stop) is a
+`jaxport.training.run.Run`. At the end the weights are written as a Hugging Face directory.
+
+Master weights and AdamW moments are float32; the forward and backward pass run in `dtype`
+(bfloat16 by default on GPU/TPU, float32 on CPU) on a copy of the weights cast inside the step.
+The weights keep the shardings generation uses (`params.param_sharding`: tensor parallel over
+`model`, FSDP over `fsdp`) and the rows are split over `data` and `fsdp`.
+"""
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxport.checkpoint.runs import abstract_like
+from jaxport.distributed import fetch_replicated, make_mesh, shard_batch
+from jaxport.dream import tasks
+from jaxport.dream.config import DreamConfig
+from jaxport.dream.config import preset as model_preset
+from jaxport.dream.data import Batches, Rows, load_rows
+from jaxport.dream.generate import diffusion_generate
+from jaxport.dream.params import abstract_model, load_model, parse_mesh, random_model, resolve_dtype, save_pretrained
+from jaxport.dream.tokenizer import DreamTokenizer, copy_tokenizer_files, special_token_ids, train_tokenizer
+from jaxport.errors import JaxportError
+from jaxport.training.run import Run, run_checkpoints
+
+
+def _option(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every setting of a run (`jaxport dream train` has a flag for each: `seq_len` is `--seq-len`)."""
+
+    data: str | None = _option(None, "training data: a text file (pretraining-style rows) or JSONL (SFT)")
+    out_dir: str = _option("out-dream", "the run folder: checkpoints, metrics.jsonl, learning_curves.png")
+    model: str | None = _option(None, "Hugging Face Dream directory to start from")
+    config: str | None = _option(None, "or a named size to train from scratch (tiny, task, 40m, 7b); needs --tokenizer")
+    tokenizer: str | None = _option(None, "tokenizer directory (default: the --model directory)")
+    seq_len: int = _option(512, "tokens per row, prompt and response together (the context)")
+    response_len: int | None = _option(None, "SFT: a fixed response span; prompts are left-padded before it")
+    chat: bool = _option(False, 'SFT: wrap {"prompt", "completion"} lines in the chat template')
+    batch_size: int = _option(8, "rows per micro-batch, over all devices")
+    grad_accum: int = _option(1, "micro-batches per optimizer step")
+    steps: int = _option(1000, "optimizer steps")
+    lr: float = _option(1e-4, "peak learning rate")
+    min_lr_ratio: float = _option(0.1, "the cosine decays to lr * min_lr_ratio")
+    warmup_steps: int = _option(100, "linear warm-up steps")
+    weight_decay: float = _option(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = _option(0.9, "AdamW beta1")
+    beta2: float = _option(0.95, "AdamW beta2")
+    grad_clip: float = _option(1.0, "clip the gradient's global norm to this (0: no clipping)")
+    eps: float = _option(1e-3, "the masking rate t is drawn from U(eps, 1)")
+    dtype: str | None = _option(
+        None,
+        "compute dtype, float32 or bfloat16 (default: bfloat16 on GPU/TPU, float32 "
+        "on CPU); weights and AdamW moments stay float32",
+    )
+    mesh: str | None = _option(None, "DATA,FSDP,MODEL device mesh sizes (default: data-parallel over all devices)")
+    seed: int = _option(0, "seed of the initial weights, the batch order and the masks")
+    log_every: int = _option(1, "steps between metrics.jsonl lines")
+    save_every: int = _option(200, "steps between checkpoints")
+    keep_last: int = _option(3, "checkpoints kept")
+    sample_every: int = _option(0, "steps between sample generations in the log (0: only at the end)")
+    samples: int = _option(2, "prompts (of the first rows) to sample, decoded one token per step")
+    sample_tokens: int = _option(128, "most new tokens per sample")
+    export_dir: str | None = _option(None, "Hugging Face directory written at the end (default: OUT_DIR/hf)")
+    export_dtype: str | None = _option(None, "dtype of the exported weights (default: the model's torch_dtype)")
+    max_shard_size: str = _option("5GB", "exported weights above this size are split into shards")
+    preset: str | None = _option(None, "a named recipe whose settings the other flags override: task-demo")
+
+
+# Named recipes: settings, and a function that prepares their data and tokenizer in the run folder.
+def _prepare_task_demo(cfg: TrainConfig) -> TrainConfig:
+    """The synthetic-task model (`jaxport.dream.tasks`): data and a byte-level BPE trained on it."""
+    folder = Path(cfg.out_dir) / "task"
+    train_path = folder / "train.jsonl"
+    if not train_path.is_file() and jax.process_index() == 0:
+        train, test = tasks.train_and_test(tasks.DEMO_TRAIN_PROBLEMS, 256, seed=cfg.seed)
+        tasks.write_problems(train, train_path)
+        tasks.write_problems(test, folder / "test.jsonl")
+        train_tokenizer((text for p in train for text in (p.prompt, p.answer)), folder / "tokenizer", vocab_size=512)
+    return dataclasses.replace(
+        cfg, data=cfg.data or str(train_path), tokenizer=cfg.tokenizer or str(folder / "tokenizer")
+    )
+
+
+PRESETS = {
+    "task-demo": (
+        dict(
+            config="task",
+            seq_len=144,
+            response_len=128,
+            batch_size=32,
+            steps=3000,
+            lr=2e-3,
+            warmup_steps=100,
+            weight_decay=0.01,
+            beta2=0.99,
+            save_every=250,
+            sample_every=500,
+            samples=4,
+            out_dir="runs/dream-task-demo",
+        ),
+        _prepare_task_demo,
+    ),
+}
+
+
+def make_config(preset: str | None = None, **options) -> TrainConfig:
+    """A `TrainConfig`: the defaults, then the preset's settings, then `options`."""
+    if preset is not None and preset not in PRESETS:
+        raise JaxportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise JaxportError(f"unknown training option(s) {unknown}; the options are {', '.join(sorted(fields))}")
+    values = {**(PRESETS[preset][0] if preset else {}), **{k: v for k, v in options.items() if v is not None}}
+    return TrainConfig(**values, **({"preset": preset} if preset else {}))
+
+
+# ----- the objective
+
+
+def mask_response(key, input_ids_BL, response_BL, eps: float, mask_token_id: int):
+    """Dream's forward process: per sequence t ~ U(eps, 1), each response token masked with probability t.
+    Returns (noisy ids, masked positions, t)."""
+    B, L = input_ids_BL.shape
+    t_key, mask_key = jax.random.split(key)
+    t_B = jax.random.uniform(t_key, (B,), minval=eps, maxval=1.0)
+    masked_BL = response_BL & (jax.random.uniform(mask_key, (B, L)) < t_B[:, None])
+    return jnp.where(masked_BL, mask_token_id, input_ids_BL), masked_BL, t_B
+
+
+def masked_diffusion_loss(logits_BLV, target_BL, masked_BL, response_BL, t_B):
+    """Cross-entropy at the masked positions, weighted by 1/t and divided by the number of response
+    tokens of each sequence, averaged over the sequences.
+
+    Logits are shifted by one position as Dream predicts: the token at `j` is scored by the logits at
+    `j - 1` (position 0 by its own). Dividing each sequence's sum by its response length is the
+    normalisation LLaDA gives for SFT (Nie et al. 2025, "Large Language Diffusion Models", Eq. 5 and
+    its guidelines), which makes the loss an unbiased estimate of the per-token negative ELBO; for
+    pretraining rows every token is a response token.
+    """
+    shifted_BLV = jnp.concatenate([logits_BLV[:, :1], logits_BLV[:, :-1]], axis=1).astype(jnp.float32)
+    ce_BL = optax.softmax_cross_entropy_with_integer_labels(shifted_BLV, target_BL)
+    per_sequence_B = jnp.sum(jnp.where(masked_BL, ce_BL, 0.0), axis=1) / t_B
+    return jnp.mean(per_sequence_B / jnp.maximum(jnp.sum(response_BL, axis=1), 1))
+
+
+def diffusion_loss(model, batch: dict, key, eps: float):
+    """The objective on one batch `{input_ids, attention_mask, response_mask}` of `[B, L]` arrays."""
+    noisy_BL, masked_BL, t_B = mask_response(
+        key, batch["input_ids"], batch["response_mask"], eps, model.config.mask_token_id
+    )
+    logits_BLV = model.forward(noisy_BL, batch["attention_mask"])
+    return masked_diffusion_loss(logits_BLV, batch["input_ids"], masked_BL, batch["response_mask"], t_B)
+
+
+# ----- the step
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+
+
+def optimizer(cfg: TrainConfig):
+    """AdamW (decay on matrices only) after global-norm clipping, with linear warm-up and cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
+    return optax.chain(
+        clip, optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask)
+    ), schedule
+
+
+def initial_state(params, tx, mesh) -> TrainState:
+    """Step 0: the weights and fresh AdamW moments, which take their weight's sharding."""
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.tree.map(
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), tx.init(params)
+    )
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, opt_state=opt_state)
+
+
+def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shardings):
+    """`step(state, batch [accum, B, L] arrays, key) -> (state, metrics)`, jitted with the state donated."""
+
+    def loss_fn(params, batch, key):
+        model = nnx.merge(compute_graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        return diffusion_loss(model, batch, key, eps)
+
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=(state_shardings, None))
+    def step(state: TrainState, batches: dict, key):
+        accum = batches["input_ids"].shape[0]
+
+        def micro(grads, inputs):
+            batch, micro_key = inputs
+            loss, g = jax.value_and_grad(loss_fn)(state.params, batch, micro_key)
+            return jax.tree.map(jnp.add, grads, g), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, losses = jax.lax.scan(micro, zeros, (batches, jax.random.split(key, accum)))
+        grads = jax.tree.map(lambda g: g / accum, grads)  # equal micro-batches: the mean over all rows
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": jnp.mean(losses), "grad_norm": optax.tree.norm(grads)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return step
+
+
+# ----- set-up
+
+
+def config_and_tokenizer(cfg: TrainConfig) -> tuple[DreamConfig, DreamTokenizer, str]:
+    """The model config, tokenizer and tokenizer directory of `--model`, or of `--config` + `--tokenizer`."""
+    if bool(cfg.model) == bool(cfg.config):
+        raise JaxportError(
+            "give --model DIR (a Hugging Face Dream directory) or --config NAME with --tokenizer DIR, not both"
+        )
+    tokenizer_dir = cfg.tokenizer or cfg.model
+    if tokenizer_dir is None:
+        raise JaxportError(
+            f"--config {cfg.config} trains from scratch and needs --tokenizer DIR "
+            "(make one with `jaxport dream tokenizer`)"
+        )
+    if not Path(tokenizer_dir).is_dir():
+        raise JaxportError(f"tokenizer directory {tokenizer_dir}: no such directory")
+    if cfg.model:
+        config = DreamConfig.from_model_dir(cfg.model)
+    else:
+        config = dataclasses.replace(
+            model_preset(cfg.config), **special_token_ids(tokenizer_dir), torch_dtype="float32"
+        )
+    return config, DreamTokenizer.from_model_dir(tokenizer_dir, config), tokenizer_dir
+
+
+def compute_dtype(cfg: TrainConfig, mesh):
+    name = cfg.dtype or ("float32" if mesh.devices.flat[0].platform == "cpu" else "bfloat16")
+    return resolve_dtype(name)
+
+
+def sample_prompts(rows: Rows, count: int) -> list[list[int]]:
+    """Prompts of the first `count` rows: the tokens before the response (text rows: the first quarter)."""
+    prompts = []
+    for ids, attention, response in zip(
+        rows.input_ids[:count], rows.attention_mask[:count], rows.response_mask[:count]
+    ):
+        start = int(np.argmax(response)) if not response.all() else len(ids) // 4
+        prompts.append([int(t) for t, a in zip(ids[:start], attention[:start]) if a])
+    return prompts
+
+
+def generate_samples(model, tokenizer: DreamTokenizer, prompts: list[list[int]], seq_len: int, max_new: int):
+    """Exact decoding (one token per step, entropy order) of each prompt, left-padded into one batch."""
+    width = max(len(p) for p in prompts)
+    new_tokens = min(max_new, seq_len - width)
+    ids = np.full((len(prompts), width), tokenizer.pad_token_id, np.int32)
+    attention = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], attention[row, width - len(prompt) :] = prompt, 1
+    out = diffusion_generate(model, ids, attention, max_new_tokens=new_tokens, steps=new_tokens, alg="entropy")
+    completions = tokenizer.decode_generation(jax.device_get(out.sequences), width)
+    return [{"prompt": tokenizer.decode(p), "completion": c} for p, c in zip(prompts, completions)]
+
+
+def log_samples(run: Run, step: int, samples: list[dict]) -> None:
+    """Show the samples under the progress bar and append them to the run's `samples.jsonl`."""
+    for sample in samples:
+        run.write(f"sample at step {step}: {json.dumps(sample, ensure_ascii=False)}")
+    if run.is_main:
+        with open(run.dir / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n" for sample in samples)
+
+
+# ----- the loop
+
+
+def train(preset: str | None = None, **options) -> dict:
+    """Train Dream with its masked-diffusion objective (see `masked_diffusion_loss`) and export the result.
+
+    `options` are `TrainConfig` fields (a `preset` fills in its own first). Resumes from the newest intact
+    checkpoint in `out_dir` if there is one. Returns the last step, loss, the export directory and the
+    learning-curve PNG.
+    """
+    cfg = make_config(preset, **options)
+    if cfg.preset:
+        cfg = PRESETS[cfg.preset][1](cfg)
+    if cfg.data is None:
+        raise JaxportError("give the training data: --data FILE (a text file or JSONL)")
+    mesh = parse_mesh(cfg.mesh) or make_mesh(data=-1)  # default: data-parallel over every device
+    rows_per_device = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.batch_size % rows_per_device:
+        raise JaxportError(
+            f"--batch-size {cfg.batch_size} is not divisible by the {rows_per_device} devices of "
+            f"the mesh's data and fsdp axes"
+        )
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "save_every"):
+        if getattr(cfg, name) < 1:
+            raise JaxportError(f"{name}={getattr(cfg, name)} must be at least 1")
+    config, tokenizer, tokenizer_dir = config_and_tokenizer(cfg)
+    rows = load_rows(cfg.data, tokenizer, seq_len=cfg.seq_len, response_len=cfg.response_len, chat=cfg.chat)
+    dtype = compute_dtype(cfg, mesh)
+    # float32 master weights, with the shardings generation uses
+    model = (
+        load_model(cfg.model, config, dtype="float32", mesh=mesh)
+        if cfg.model
+        else random_model(config, dtype="float32", mesh=mesh, seed=cfg.seed)
+    )
+
+    graphdef, params = nnx.split(model)
+    compute_graphdef, _ = nnx.split(abstract_model(model.config, dtype, mesh))
+    tx, schedule = optimizer(cfg)
+    state = initial_state(params, tx, mesh)
+    train_step = make_train_step(compute_graphdef, tx, dtype, cfg.eps, jax.tree.map(lambda x: x.sharding, state))
+
+    process, processes = jax.process_index(), jax.process_count()
+    local_rows = cfg.batch_size // processes  # each process feeds its own rows of every micro-batch
+    batches = Batches(len(rows), cfg.batch_size * cfg.grad_accum, cfg.seed)
+    prompts = sample_prompts(rows, cfg.samples)
+    base_key = jax.random.key(cfg.seed)
+
+    with Run(
+        cfg.out_dir,
+        config=dataclasses.asdict(cfg),
+        config_name="train_config.yaml",
+        total_steps=cfg.steps,
+        keep_last=cfg.keep_last,
+        shown=("loss",),
+    ) as run:
+        restored = run.restore(abstract_like(state))
+        if restored is not None:
+            state, meta = restored
+            batches.load_state_dict(meta["data"])
+        first = int(fetch_replicated(state.step))
+        run.start_logging(first)
+        if run.is_main:
+            (run.dir / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+            copy_tokenizer_files(tokenizer_dir, run.dir)
+        n_params = sum(x.size for x in jax.tree.leaves(params))
+        run.write(
+            ("resumed at" if restored else "starting at") + f" step {first}: {n_params / 1e6:.2f}M parameters, "
+            f"{len(rows)} rows of {cfg.seq_len} tokens, {jnp.dtype(dtype).name} compute on "
+            f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) {dict(mesh.shape)}; "
+            f"the first step compiles"
+        )
+        loss = None
+        for step in range(first + 1, cfg.steps + 1):
+            index = batches.next().reshape(cfg.grad_accum, cfg.batch_size)
+            index = index[:, process * local_rows : (process + 1) * local_rows]
+            batch = shard_batch(rows.take(index), mesh, batch_dim=-2)
+            state, metrics = train_step(state, batch, jax.random.fold_in(base_key, step))
+            loss = float(fetch_replicated(metrics["loss"]))
+            run.check_finite(step, loss)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                run.log(
+                    step,
+                    {
+                        "train/loss": loss,
+                        "train/grad_norm": float(fetch_replicated(metrics["grad_norm"])),
+                        "train/lr": float(schedule(step - 1)),
+                    },
+                )
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                run.save(step, state, {"data": batches.state_dict(), "seed": cfg.seed})
+            if (cfg.sample_every and step % cfg.sample_every == 0 or step == cfg.steps) and prompts:
+                log_samples(
+                    run,
+                    step,
+                    generate_samples(
+                        nnx.merge(graphdef, state.params), tokenizer, prompts, cfg.seq_len, cfg.sample_tokens
+                    ),
+                )
+        export_dir = Path(cfg.export_dir or Path(cfg.out_dir) / "hf")
+        save_pretrained(
+            nnx.merge(graphdef, state.params),
+            export_dir,
+            dtype=cfg.export_dtype or model.config.torch_dtype,
+            max_shard_size=cfg.max_shard_size,
+            tokenizer_dir=tokenizer_dir,
+        )
+        run.write(f"exported step {int(fetch_replicated(state.step))} to {export_dir}")
+    png = Path(cfg.out_dir) / "learning_curves.png"
+    return {
+        "step": int(fetch_replicated(state.step)),
+        "loss": loss,
+        "export_dir": str(export_dir),
+        "learning_curves": str(png) if png.is_file() else None,
+    }
+
+
+def export(
+    source: str | Path,
+    output_dir: str | Path,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """A Hugging Face directory from a training run folder (its newest intact checkpoint, or `step`) or from
+    another Hugging Face directory (to change the dtype or the shard size)."""
+    source = Path(source)
+    config = DreamConfig.from_model_dir(source)
+    checkpoints = source / "jaxport_checkpoints"
+    if not checkpoints.is_dir():
+        model = load_model(source, config, dtype="float32")
+    else:
+        model = abstract_model(config, jnp.float32, None)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        wanted = {
+            "params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.state(model))
+        }
+        with run_checkpoints(source, keep_last=None) as saved:
+            restored, _ = saved.restore(wanted, step=step, partial=True)
+        nnx.update(model, restored["params"])
+    return save_pretrained(
+        model, output_dir, dtype=dtype or config.torch_dtype, max_shard_size=max_shard_size, tokenizer_dir=source
+    )

@@ -1,0 +1,169 @@
+"""Does a Dream directory written by jaxport load in the ORIGINAL Hugging Face code with the same logits?
+
+Run with the originals' Python (torch + transformers 4.46.2, see ../shared/originals/setup):
+
+    eval "$(../shared/originals/setup)"
+    $REF_PY tools/dream_export_check.py [--model DIR ...] [--jaxport-python .venv/bin/python]
+
+Default models: tests/fixtures/dream/task_model (a trained model as `jaxport dream train` exports it:
+float32, one file) and a bfloat16 re-export of it in 200 kB shards (`jaxport dream export`, with
+model.safetensors.index.json). Each is copied to a temporary folder with the original's model code
+(configuration_dream.py, modeling_dream.py, generation_utils.py from $REF_DREAM) beside the weights,
+as published checkpoints ship it, and loaded with `AutoModel.from_pretrained(dir, trust_remote_code=True)`
+in float32. Its logits for token rows (unpadded, and left-padded with the 4-D mask and position ids
+upstream's sampler derives) are compared with jaxport's `dream.load` logits (run with the project's
+Python) within the fixtures' float32 tolerance (tiny_bf16 `logits_f32_same_weights`: atol 2e-4,
+rtol 1e-4). Prints JSON; exits 1 if any model differs.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE_FILES = ("configuration_dream.py", "modeling_dream.py", "generation_utils.py")
+ATOL, RTOL = 2e-4, 1e-4
+
+JAXPORT_SIDE = """
+import sys, numpy as np
+from jaxport.dream import DreamConfig, load_model
+model = load_model(sys.argv[1], DreamConfig.from_model_dir(sys.argv[1]), dtype="float32")
+rows = np.load(sys.argv[2])
+np.savez(sys.argv[3], plain=np.asarray(model(rows["plain"]), np.float32),
+         padded=np.asarray(model(rows["padded"], rows["padded_mask"]), np.float32))
+"""
+
+
+def token_rows(config: dict, seed: int = 0) -> dict:
+    """Three unpadded rows of random tokens (one mostly masks) and two left-padded ones."""
+    rng = np.random.default_rng(seed)
+    low = min(config["mask_token_id"], config["eos_token_id"])
+    plain = rng.integers(0, low, (3, 40))
+    plain[1, 10:] = config["mask_token_id"]
+    padded = rng.integers(0, low, (2, 24))
+    mask = np.ones_like(padded)
+    mask[0, :7] = 0
+    padded[0, :7] = config["pad_token_id"]
+    return {"plain": plain.astype(np.int32), "padded": padded.astype(np.int32), "padded_mask": mask.astype(np.int32)}
+
+
+def original_logits(model_dir: Path, rows: dict) -> dict:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(model_dir), trust_remote_code=True, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = model(torch.from_numpy(rows["plain"]).long()).logits.numpy()
+        # as upstream's sampler derives them: pad rows see nothing, positions count real tokens
+        valid = torch.from_numpy(rows["padded_mask"]).bool()
+        mask_4d = valid[:, None, None, :] & valid[:, None, :, None]
+        positions = valid.long().cumsum(-1) - 1
+        positions.masked_fill_(~valid, 1)
+        padded = model(torch.from_numpy(rows["padded"]).long(), mask_4d, positions).logits.numpy()
+    return {"plain": plain, "padded": padded}
+
+
+def check(model_dir: Path, jaxport_python: str, work: Path) -> dict:
+    runnable = work / model_dir.name
+    shutil.copytree(model_dir, runnable)
+    for name in CODE_FILES:
+        shutil.copy(Path(os.environ["REF_DREAM"]) / name, runnable / name)
+    config = json.loads((runnable / "config.json").read_text())
+    rows = token_rows(config)
+    np.savez(work / "rows.npz", **rows)
+    done = subprocess.run(
+        [jaxport_python, "-c", JAXPORT_SIDE, str(model_dir), str(work / "rows.npz"), str(work / "jaxport.npz")],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise SystemExit(f"jaxport failed on {model_dir}:\n{done.stderr[-3000:]}")
+    ours = np.load(work / "jaxport.npz")
+    theirs = original_logits(runnable, rows)
+    valid = rows["padded_mask"].astype(bool)
+    report = {
+        "model": str(model_dir),
+        "torch_dtype": config["torch_dtype"],
+        "files": sorted(p.name for p in model_dir.glob("model*.safetensors*")),
+    }
+    ok = True
+    for name, where in (("plain", np.ones(rows["plain"].shape, bool)), ("padded", valid)):
+        a, b = ours[name][where], theirs[name][where]
+        close = bool(np.allclose(a, b, atol=ATOL, rtol=RTOL))
+        ok &= close
+        report[name] = {
+            "max_abs_diff": float(np.max(np.abs(a - b))),
+            "max_abs_logit": float(np.max(np.abs(b))),
+            "argmax_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1))),
+            "within_tolerance": close,
+        }
+    report["ok"] = ok
+    return report
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", nargs="*", default=None, help="exported Dream directories to check")
+    parser.add_argument("--jaxport-python", default=str(ROOT / ".venv" / "bin" / "python"))
+    args = parser.parse_args()
+    if "REF_DREAM" not in os.environ:
+        raise SystemExit('set REF_DREAM (eval "$(../shared/originals/setup)")')
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        models = [Path(m) for m in args.model] if args.model else None
+        if models is None:
+            fixture = ROOT / "tests" / "fixtures" / "dream" / "task_model"
+            sharded = work / "task_model_bf16_sharded"
+            subprocess.run(
+                [
+                    args.jaxport_python,
+                    "-m",
+                    "jaxport.cli",
+                    "dream",
+                    "export",
+                    str(fixture),
+                    "--output",
+                    str(sharded),
+                    "--dtype",
+                    "bfloat16",
+                    "--max-shard-size",
+                    "200KB",
+                ],
+                check=True,
+                capture_output=True,
+            )
+            models = [fixture, sharded]
+        reports = []
+        for i, model_dir in enumerate(models):
+            case = work / f"case{i}"
+            case.mkdir()
+            reports.append(check(model_dir, args.jaxport_python, case))
+    versions = {
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "python": sys.version.split()[0],
+    }
+    print(
+        json.dumps(
+            {
+                "what": "jaxport export -> original AutoModel.from_pretrained(trust_remote_code=True)",
+                "tolerance": {"atol": ATOL, "rtol": RTOL},
+                "versions": versions,
+                "results": reports,
+            },
+            indent=1,
+        )
+    )
+    sys.exit(0 if all(r["ok"] for r in reports) else 1)
+
+
+if __name__ == "__main__":
+    main()
