@@ -261,7 +261,7 @@ class Scheduler:
         for key in keys:
             for size in self.batch_sizes:
                 for _ in self._generate(key, [prompt] * size, when="at start-up"):
-                    pass
+                    pass  # run every block: compiling each program is the point, not its text
 
     def _loop(self):
         while True:

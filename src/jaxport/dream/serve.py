@@ -369,7 +369,7 @@ class DreamServer:
             return StreamingResponse(self._stream(job, fmt, events, include_usage), media_type="text/event-stream")
         try:
             async for _ in self._events(job, events, request):
-                pass
+                pass  # a non-streamed reply waits until every event is in: then job.texts is final
         except ConnectionAbortedError:
             return Response(status_code=499)
         choices = [fmt.choice(i, t.text, t.finish_reason) for i, t in enumerate(job.texts)]
