@@ -14,6 +14,7 @@ tokens of `diffusion_generate(max_new_tokens=max_tokens)`. Bad requests get Open
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -352,10 +353,8 @@ class DreamServer:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def post(kind, payload):  # from the worker thread
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits for the event
                 loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-            except RuntimeError:  # the event loop has closed
-                pass
 
         job = self.job(body, prompts, prompt_field, fmt, post)
         try:
