@@ -9,8 +9,10 @@ older step is used; a step that is readable but does not fit the model is an err
 """
 
 import contextlib
+import logging
 import re
 import sys
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -46,9 +48,12 @@ def _shape_mismatch(saved, abstract, partial: bool = False) -> str | None:
     return None
 
 
-def _ignore_callbacks_into_closed_loops() -> None:
-    """A save that fails leaves tensorstore writes in flight whose completion callbacks find orbax's event loop
-    closed; Python would print each as a traceback, after the failure was already reported in one line."""
+def _quiet_orbax_leftovers() -> None:
+    """A save that fails (a full disk) leaves orbax's other writes in flight. They fail too, after the failure
+    was already reported in one line, and Python would print each as a traceback: a completion callback that
+    finds orbax's event loop closed (an unraisable exception), a task or future whose exception nobody retrieves
+    (logged by asyncio when it is collected) and a coroutine never awaited (a RuntimeWarning at exit). Only orbax's
+    own leftovers are silenced."""
     previous = sys.unraisablehook
     if getattr(previous, "ignores_closed_loops", False):
         return
@@ -60,6 +65,13 @@ def _ignore_callbacks_into_closed_loops() -> None:
 
     hook.ignores_closed_loops = True
     sys.unraisablehook = hook
+
+    def keep(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("exception was never retrieved" in message and "orbax" in message)
+
+    logging.getLogger("asyncio").addFilter(keep)
+    warnings.filterwarnings("ignore", message="coroutine 'async_serialize", category=RuntimeWarning)
 
 
 class RunCheckpoints:
@@ -87,7 +99,7 @@ class RunCheckpoints:
             ),
         )
         self._step_in_flight = None
-        _ignore_callbacks_into_closed_loops()
+        _quiet_orbax_leftovers()  # installed now: orbax's threads may fail before `save` or `wait` sees it
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
