@@ -82,8 +82,8 @@ def kind_of(name: str, instructions: dict, computations: dict) -> tuple[str, flo
     )
 
 
-def profile(function, args, top: int, only_kind: str | None = None) -> None:
-    compiled = jax.jit(function).lower(*args).compile()
+def profile(function, args, top: int, only_kind: str | None = None, compiler_options=None) -> None:
+    compiled = jax.jit(function, compiler_options=compiler_options).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
     jax.block_until_ready(compiled(*args))
     instructions, computations = hlo_index(compiled.as_text())
@@ -175,6 +175,7 @@ def gpt_step(args):
     X = np.random.default_rng(0).integers(0, vocab, (1, cfg["batch_size"], cfg["block_size"]))
     Xd, Yd = trainer._shard(X, X)
     step = trainer._step.__wrapped__ if hasattr(trainer._step, "__wrapped__") else trainer._step
+    step.compiler_options = trainer.compiler_options  # the options jaxport compiles this step with
     return step, (trainer.params, trainer.opt_state, trainer.loss_scale, Xd, Yd, jnp.float32(1e-3), jax.random.key(0))
 
 
@@ -207,7 +208,7 @@ def main():
     parser.add_argument("--kind", default=None, help="list only ops of this kind (dot, convert, transpose, ...)")
     args = parser.parse_args()
     function, call_args = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream}[args.workload](args)
-    profile(function, call_args, args.top, args.kind)
+    profile(function, call_args, args.top, args.kind, getattr(function, "compiler_options", None))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@ def resume_config(out_dir):
     return case, cfg
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("resume")
+def resume_two_iterations(out):
     shutil.copy(CASE / "ckpt.pt", out / "ckpt.pt")
     case, cfg = resume_config(out)
     x = np.load(CASE / "inputs.npz")
@@ -44,14 +42,12 @@ def resumed(tmp_path_factory):
     return case, cfg, trainer, np.array(lrs), np.stack(losses), np.array(norms), ckpt
 
 
-def test_lr_schedule():
-    case, cfg = resume_config("out")
-    e = np.load(CASE / "expected.npz")
-    lrs = [gpt_train.get_lr(int(it), cfg) for it in e["lr_schedule_its"]]
-    np.testing.assert_allclose(lrs, e["lr_schedule"], rtol=case["tolerances"]["lr_schedule"]["rtol"], atol=0)
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    return resume_two_iterations(tmp_path_factory.mktemp("resume"))
 
 
-def test_resume_two_iterations_match_nanogpt(resumed):
+def assert_matches_nanogpt(resumed):
     case, cfg, trainer, lrs, losses, norms, ckpt = resumed
     e, tol = np.load(CASE / "expected.npz"), case["tolerances"]
     np.testing.assert_allclose(lrs, e["lr_iter"], rtol=tol["lr_iter"]["rtol"], atol=0)
@@ -68,6 +64,34 @@ def test_resume_two_iterations_match_nanogpt(resumed):
         np.testing.assert_allclose(state[i]["exp_avg"], e[f"exp_avg/{name}"], err_msg=name, **tol["exp_avg/*"])
         np.testing.assert_allclose(state[i]["exp_avg_sq"], e[f"exp_avg_sq/{name}"], err_msg=name, **tol["exp_avg_sq/*"])
         assert state[i]["step"] == e["step"]
+
+
+def test_lr_schedule():
+    case, cfg = resume_config("out")
+    e = np.load(CASE / "expected.npz")
+    lrs = [gpt_train.get_lr(int(it), cfg) for it in e["lr_schedule_its"]]
+    np.testing.assert_allclose(lrs, e["lr_schedule"], rtol=case["tolerances"]["lr_schedule"]["rtol"], atol=0)
+
+
+def test_resume_two_iterations_match_nanogpt(resumed):
+    assert resumed[2].compiler_options is None  # small products: XLA's default dots
+    assert_matches_nanogpt(resumed)
+
+
+def test_large_step_compiles_without_ynnpack_dots_and_still_matches_nanogpt(tmp_path, monkeypatch):
+    """A step with LARGE_MATMUL_ROWS rows or more (GPT's train_shakespeare_char step) compiles its float32 dots
+    outside YNNPACK on a CPU, the faster path there; the fixture's rows stand in for a large step here."""
+    from jaxport.nn import linear
+
+    monkeypatch.setattr(linear, "LARGE_MATMUL_ROWS", 1)
+    resumed = resume_two_iterations(tmp_path)
+    trainer = resumed[2]
+    assert trainer.compiler_options == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    x = np.load(CASE / "inputs.npz")
+    X, Y = trainer._shard(x["train_x"][0], x["train_y"][0])
+    args = (trainer.params, trainer.opt_state, trainer.loss_scale, X, Y, 1e-3, jax.random.key(0))
+    assert "ynn_fusion" not in trainer._step.lower(*args).compile().as_text()
+    assert_matches_nanogpt(resumed)
 
 
 def test_written_checkpoint_matches_nanogpt_layout(resumed, tmp_path):

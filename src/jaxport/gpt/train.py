@@ -39,6 +39,7 @@ from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
 from jaxport.gpt.data import Batches, load_meta
 from jaxport.gpt.model import GPT, Checkpoint, device_peak_flops, estimate_mfu, load_checkpoint
+from jaxport.nn.linear import matmul_compiler_options
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
 from jaxport.typed_config import validate
 
@@ -266,6 +267,10 @@ class Trainer:
         )
         self.loss_scale = replicate(self.loss_scale, self.mesh)
         state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
+        # batch_size is per device (nanoGPT's DDP rule)
+        self.compiler_options = matmul_compiler_options(
+            cfg["batch_size"] * cfg["block_size"], self.dtype, devices[0].platform
+        )
         self._step = _make_train_step(
             self.graphdef,
             self.optimizer,
@@ -273,8 +278,9 @@ class Trainer:
             cfg["dropout"] > 0,
             state_shardings,
             loss_scaling=self.dtype == jnp.float16,
+            compiler_options=self.compiler_options,
         )
-        self._eval = _make_eval_step(self.graphdef)
+        self._eval = _make_eval_step(self.graphdef, self.compiler_options)
 
     @property
     def model(self) -> GPT:
@@ -352,12 +358,19 @@ class Trainer:
         }
 
 
-def _make_train_step(graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool):
+def _make_train_step(
+    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, compiler_options
+):
     def loss_fn(params, x, y, rng):
         return nnx.merge(graphdef, params).forward(x, y, rng if dropout else None)[1]
 
     # outputs keep the inputs' shardings, so the next call reuses this compilation
-    @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(*state_shardings, None, None))
+    @functools.partial(
+        jax.jit,
+        donate_argnums=(0, 1),
+        out_shardings=(*state_shardings, None, None),
+        compiler_options=compiler_options,
+    )
     def step(params, opt_state, loss_scale, X, Y, lr, rng):
         accum = X.shape[0]
         scale, good_steps = loss_scale
@@ -395,8 +408,8 @@ def _make_train_step(graphdef, optimizer, grad_clip: float, dropout: bool, state
     return step
 
 
-def _make_eval_step(graphdef):
-    @jax.jit
+def _make_eval_step(graphdef, compiler_options):
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def evaluate(params, X, Y):
         return nnx.merge(graphdef, params).forward(X, Y)[1]
 
@@ -551,7 +564,10 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
     iter_num, best_val_loss = trainer.iter_num, trainer.best_val_loss
     run.start_logging(iter_num)
     say = run.write
-    eval_step = jax.jit(lambda params, X, Y: jax.lax.map(lambda xy: trainer._eval(params, *xy), (X, Y)))
+    eval_step = jax.jit(
+        lambda params, X, Y: jax.lax.map(lambda xy: trainer._eval(params, *xy), (X, Y)),
+        compiler_options=trainer.compiler_options,
+    )
 
     def estimate_loss():
         out = {}

@@ -39,6 +39,22 @@ def _matmul_t_bwd(residuals, g_2d):
 
 matmul_t.defvjp(_matmul_t_fwd, _matmul_t_bwd)
 
+# Rows from which XLA:CPU's other dot path beats its YNNPACK dot fusions on float32 products (jaxlib 0.10.2, on
+# this project's 2-core CPU with a 32 MB L3): [M, 384] x [384, 1536] runs at 205 GFLOP/s through YNNPACK with
+# M = 2048 and at 132-138 with M >= 4096, against 157-209 for the other path, which loses below 2048 rows
+# (183 against 198 at M = 768); Dream's 40M decoding runs 2x slower and the TRM steps no faster without YNNPACK,
+# and bfloat16 dots need it (TRM's bfloat16 step: 7.5 s with, 10.4 s without).
+LARGE_MATMUL_ROWS = 8192
+
+
+def matmul_compiler_options(rows: int, dtype, platform: str) -> dict | None:
+    """`jax.jit(..., compiler_options=)` for a step whose matrix products have `rows` rows per device: YNNPACK's
+    dot fusions off for large float32 products on a CPU (GPT's train_shakespeare_char step, 64 x 256 rows:
+    -11% to -30% time), XLA's defaults elsewhere."""
+    if platform != "cpu" or jnp.dtype(dtype) != jnp.float32 or rows < LARGE_MATMUL_ROWS:
+        return None
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}
+
 
 class Linear(nnx.Module):
     """`y = x @ W.T + b` with `W: [out, in]` cast to the input dtype (upstream's CastedLinear)."""
