@@ -72,8 +72,11 @@ def kind_of(name: str, instructions: dict, computations: dict) -> tuple[str, flo
         text = f"{' x '.join(shapes)} -> {shape}  {dots[0].split(')', 1)[1].strip()[:70]}"
         return "dot", sum(dot_flops(d, instructions) for d in dots), text
     ops = collections.Counter(INSTRUCTION.match(b).group(3) for b in body if INSTRUCTION.match(b))
+    # bfloat16 elementwise fusions all hold converts (XLA:CPU computes them in float32): "convert" is a
+    # fusion that only converts (e.g. a dot's float32 result rounded to bfloat16, or operands widened)
+    only_converts = set(ops) <= {"convert", "parameter", "bitcast"}
     for kind in ("reduce", "transpose", "copy", "convert", "scatter", "gather", "rng-bit-generator"):
-        if ops.get(kind):
+        if ops.get(kind) and (kind != "convert" or only_converts):
             return kind if kind != "copy" else "copy/layout", 0.0, f"{shape} {opcode} {dict(ops.most_common(4))}"
     return (
         ("elementwise" if opcode == "fusion" or called else opcode),

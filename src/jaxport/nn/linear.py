@@ -16,16 +16,16 @@ _CONTRACT_IN = (((1,), (1,)), ((), ()))
 
 
 @jax.custom_vjp
-def matmul_t(x_2d: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w.T` for `x: [N, in]`, `w: [out, in]` of one dtype, accumulated in float32 and rounded
-    once to that dtype, as PyTorch's reduced-precision GEMMs do. The backward pass keeps the same
-    contract (low-precision operands, float32 accumulation), which XLA:CPU runs much faster than
-    the mixed float32 x bfloat16 dots plain autodiff would produce."""
-    return jax.lax.dot_general(x_2d, w, _CONTRACT_IN, preferred_element_type=jnp.float32).astype(x_2d.dtype)
+def matmul_t_f32(x_2d: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w.T` for `x: [N, in]`, `w: [out, in]` of one dtype, accumulated and returned in float32, for the caller
+    to round once to that dtype, as PyTorch's reduced-precision GEMMs do. The backward pass keeps the same
+    contract (low-precision operands, float32 accumulation), which XLA:CPU runs much faster than the mixed
+    float32 x bfloat16 dots plain autodiff would produce."""
+    return jax.lax.dot_general(x_2d, w, _CONTRACT_IN, preferred_element_type=jnp.float32)
 
 
 def _matmul_t_fwd(x_2d, w):
-    return matmul_t(x_2d, w), (x_2d, w)
+    return matmul_t_f32(x_2d, w), (x_2d, w)
 
 
 def _matmul_t_bwd(residuals, g_2d):
@@ -37,7 +37,8 @@ def _matmul_t_bwd(residuals, g_2d):
     return dx.astype(x_2d.dtype), dw_t.T.astype(w.dtype)
 
 
-matmul_t.defvjp(_matmul_t_fwd, _matmul_t_bwd)
+matmul_t_f32.defvjp(_matmul_t_fwd, _matmul_t_bwd)
+
 
 # Rows from which XLA:CPU's other dot path beats its YNNPACK dot fusions on float32 products (jaxlib 0.10.2, on
 # this project's 2-core CPU with a 32 MB L3): [M, 384] x [384, 1536] runs at 205 GFLOP/s through YNNPACK with
@@ -74,12 +75,18 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(truncated_normal(std)(rngs.params(), (out_features, in_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rounded: bool = True) -> jax.Array:
+        """`rounded=False` returns the float32 product (no bias) for a caller that rounds its pieces to `x.dtype`
+        itself: XLA:CPU fuses a rounding into one consumer, not into two."""
         # Contract on 2-D operands: for [B, S, D] inputs XLA:CPU otherwise emits slow
         # transposes in the weight gradient.
-        y_2d = matmul_t(x.reshape(-1, self.in_features), self.weight[...].astype(x.dtype))
-        if self.bias is not None:
-            y_2d = y_2d + self.bias[...].astype(x.dtype)
+        y_2d = matmul_t_f32(x.reshape(-1, self.in_features), self.weight[...].astype(x.dtype))
+        if rounded:
+            y_2d = y_2d.astype(x.dtype)
+            if self.bias is not None:
+                y_2d = y_2d + self.bias[...].astype(x.dtype)
+        elif self.bias is not None:
+            raise ValueError("rounded=False is for linear layers without a bias")
         return y_2d.reshape(*x.shape[:-1], self.out_features)
 
 

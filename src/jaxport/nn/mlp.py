@@ -32,8 +32,8 @@ class SwiGLU(nnx.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.fused:
-            gate, up = jax.numpy.split(self.gate_up_proj(x), 2, axis=-1)
+        if self.fused:  # each half rounded to x's dtype on its own, inside the fusion that uses it
+            gate, up = (h.astype(x.dtype) for h in jax.numpy.split(self.gate_up_proj(x, rounded=False), 2, axis=-1))
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(jax.nn.silu(gate) * up)
