@@ -32,9 +32,19 @@ def _matmul_t_bwd(residuals, g_2d):
     x_2d, w = residuals
     g_2d = g_2d.astype(x_2d.dtype)
     dx = jax.lax.dot_general(g_2d, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    # dW as (x^T g)^T: XLA:CPU runs the [in, out]-shaped product faster, and the transpose is small.
-    dw_t = jax.lax.dot_general(x_2d, g_2d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx.astype(x_2d.dtype), dw_t.T.astype(w.dtype)
+    return dx.astype(x_2d.dtype), _weight_gradient(x_2d, g_2d).astype(w.dtype)
+
+
+def _weight_gradient(x_2d, g_2d):
+    """`g^T x`, `[out, in]`, contracted over the rows. XLA:CPU runs this product 1.2-2.9x faster when its
+    result has the larger of its two dimensions last ([1296, 64] x [1296, 512] rows: 0.82 ms as [64, 512],
+    2.38 as [512, 64], one core), so it is computed that way round and transposed (same bits). The barrier
+    keeps XLA's simplifier from folding the transpose back into the product."""
+    contract_rows = (((0,), (0,)), ((), ()))
+    if g_2d.shape[1] <= x_2d.shape[1]:
+        return jax.lax.dot_general(g_2d, x_2d, contract_rows, preferred_element_type=jnp.float32)
+    dw_t = jax.lax.dot_general(x_2d, g_2d, contract_rows, preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(dw_t).T
 
 
 matmul_t_f32.defvjp(_matmul_t_fwd, _matmul_t_bwd)
