@@ -34,6 +34,7 @@ def environment() -> dict:
         "jaxlib": jaxlib.__version__,
         "flax": flax.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
     }
 
 

@@ -20,8 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from _common import compiled_flops, emit, environment, peak_flops, peak_rss_bytes, utilisation
 
+from jaxport import malloc
 from jaxport.gpt import train as gpt_train
 from jaxport.gpt.model import estimate_mfu
+
+malloc.restart_with_huge_pages()  # as `jaxport gpt` does
 
 CONFIGS = {  # the original harness's CONFIGS
     "cpu_readme": dict(

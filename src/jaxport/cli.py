@@ -22,6 +22,8 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["gpt"]:  # run as the program, not called from Python
+        malloc.restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

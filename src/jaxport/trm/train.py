@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
+from jaxport import malloc
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.checkpoint.torch_io import load_torch_file, save_torch_file
 from jaxport.distributed import fetch_replicated, local_rows, make_mesh, replicate, shard_batch, shard_leading
@@ -109,6 +110,7 @@ class Trainer:
         )
         self.evaluators = self._make_evaluators()
         self._train_step = jax.jit(self._step, donate_argnums=0)
+        self.step_compiled = False
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
         self.iteration = 0
@@ -218,9 +220,11 @@ class Trainer:
         )
         lr = compute_lr(config.lr, **lr_args)
         puzzle_lr = compute_lr(config.puzzle_emb_lr, **lr_args)
-        self.state, outputs = self._train_step(
-            self.state, shard_batch(batch, self.mesh), jnp.float32(lr), jnp.float32(puzzle_lr), self.halt_key(step)
-        )
+        args = (self.state, shard_batch(batch, self.mesh), jnp.float32(lr), jnp.float32(puzzle_lr), self.halt_key(step))
+        if not self.step_compiled:  # compile ahead of the first call to size the host-memory policy
+            malloc.reuse_memory_for(self._train_step.lower(*args).compile())
+            self.step_compiled = True
+        self.state, outputs = self._train_step(*args)
         self.step = step
         self.pending.append((step, lr, outputs))
         if len(self.pending) >= FLUSH_EVERY:
