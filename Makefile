@@ -12,8 +12,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/jaxport trm demo
 
+# Two workers, each test module on one of them (module fixtures build once): most tests wait on
+# `jaxport` subprocesses or compile, so two halves overlap well even on two cores.
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
