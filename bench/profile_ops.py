@@ -186,7 +186,7 @@ def dream(args):
     from flax import nnx
 
     from jaxport import dream as dream_lib
-    from jaxport.dream.generate import _generate, prepare_generation
+    from jaxport.dream.generate import _generate, decoding_compiler_options, prepare_generation
 
     model = dream_lib.random_model(dream_lib.preset("40m"))
     ids = np.random.default_rng(0).integers(0, 31000, (args.batch, 32)).astype(np.int32)
@@ -194,7 +194,12 @@ def dream(args):
         model, ids, None, max_new_tokens=args.new_tokens, steps=args.new_tokens, alg="entropy"
     )
     graphdef, state = nnx.split(model)
-    return (lambda state, x, key: _generate(graphdef, state, x, valid, key, cfg)), (state, x, key)
+
+    def generate(state, x, key):
+        return _generate(graphdef, state, x, valid, key, cfg)
+
+    generate.compiler_options = decoding_compiler_options(model, x)  # the options jaxport compiles this with
+    return generate, (state, x, key)
 
 
 def main():

@@ -190,3 +190,21 @@ def test_bfloat16_generation():
     assert out.confidence.dtype == jnp.bfloat16
     assert not (np.asarray(out.sequences) == model.config.mask_token_id).any()
     np.testing.assert_array_equal(np.asarray(out.n_transfer)[:, 0], SETTINGS["entropy_s8"]["n_transfer_row0"])
+
+
+def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
+    """On a CPU the compiled decoding loop runs each YNNPACK fusion on one dot: XLA's default also pulls the
+    sampler's softmax reductions into YNNPACK fusions, which slows the vocabulary projection that feeds them."""
+    from flax import nnx
+
+    from jaxport.dream.generate import _generate, decoding_program, prepare_generation
+
+    inputs, _ = data
+    x, valid, key, cfg = prepare_generation(
+        model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8
+    )
+    program = decoding_program(_generate, model, x, static_argnames=("graphdef", "cfg"))
+    hlo = program.lower(*nnx.split(model), x, valid, key, cfg).compile().as_text()
+    fused = [line for line in hlo.splitlines() if '"kind":"__ynn_fusion"' in line]
+    assert fused, "no YNNPACK fusion in the decoding program"
+    assert all("/dot_general" in line for line in fused), [line[:200] for line in fused if "/dot_general" not in line]

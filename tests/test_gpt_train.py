@@ -74,7 +74,8 @@ def test_lr_schedule():
 
 
 def test_resume_two_iterations_match_nanogpt(resumed):
-    assert resumed[2].compiler_options is None  # small products: XLA's default dots
+    # small products: YNNPACK fusions of one dot each
+    assert resumed[2].compiler_options == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
     assert_matches_nanogpt(resumed)
 
 

@@ -32,6 +32,7 @@ from flax import nnx
 from jaxport.dream.generate import (
     GenerationOutput,
     SamplingConfig,
+    decoding_program,
     masked_scores,
     padding_inputs,
     prepare_generation,
@@ -137,16 +138,12 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, cfg: SamplingConfig):
     return x_BN, records
 
 
-# jax.jit over (graphdef, state) as in jaxport.dream.generate. The prefix cache's window shape
-# depends on the block, so that path compiles per block index.
-_run_block = jax.jit(_block, static_argnames=("graphdef", "cfg"))
-_run_block_static = jax.jit(_block, static_argnames=("graphdef", "cfg", "block"))
-
-
 def run_blocks(model, x_BN, valid_BN, key, cfg: SamplingConfig) -> Iterator[FinishedBlock]:
     """The blocks of a prepared generation (`prepare_generation` with block-wise settings), in order."""
     graphdef, state = nnx.split(model)
-    program = _run_block_static if cfg.cache == "prefix" else _run_block
+    # the prefix cache's window shape depends on the block, so that path compiles per block index
+    static = ("graphdef", "cfg", "block") if cfg.cache == "prefix" else ("graphdef", "cfg")
+    program = decoding_program(_block, model, x_BN, static_argnames=static)
     sharding = x_BN.sharding
 
     def run(x_BN, index):

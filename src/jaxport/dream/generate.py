@@ -13,7 +13,6 @@ Block-wise generation (`block_length`, `cache`, `threshold`: Fast-dLLM's fast de
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -22,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxport.errors import JaxportError
+from jaxport.nn.linear import jit_with_options, matmul_compiler_options
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -226,9 +226,18 @@ def unmask(window_BW, confidence_BW, x0_BW, probability_BW, select_key, n, p_tra
     return new_window, confidence, jnp.where(is_mask, x0_BW, -1), jnp.sum(transfer, axis=-1, dtype=jnp.int32)
 
 
-# jax.jit over (graphdef, state) rather than nnx.jit: nnx.jit's state bookkeeping tripled the
-# cost of a small forward here.
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def decoding_compiler_options(model, x_BN) -> dict | None:
+    """The compiler options for decoding the canvas `x_BN` on its devices (see `matmul_compiler_options`)."""
+    devices = x_BN.sharding.device_set
+    return matmul_compiler_options(x_BN.size // len(devices), model.dtype, next(iter(devices)).platform)
+
+
+def decoding_program(function, model, x_BN, **jit_kwargs):
+    """`function` jitted with `decoding_compiler_options`. jax.jit over (graphdef, state) rather than nnx.jit:
+    nnx.jit's state bookkeeping tripled the cost of a small forward here."""
+    return jit_with_options(function, decoding_compiler_options(model, x_BN), **jit_kwargs)
+
+
 def _generate(graphdef, state, x_BN, attention_mask_BN, key, cfg: SamplingConfig):
     model = nnx.merge(graphdef, state)
     B, N = x_BN.shape
@@ -476,7 +485,8 @@ def diffusion_generate(
     """
     x, attention_mask, rng, cfg = prepare_generation(model, input_ids, attention_mask, **generation_args)
     if cfg.block_length is None:
-        sequences, records = _generate(*nnx.split(model), x, attention_mask, rng, cfg)
+        program = decoding_program(_generate, model, x, static_argnames=("graphdef", "cfg"))
+        sequences, records = program(*nnx.split(model), x, attention_mask, rng, cfg)
     else:
         from jaxport.dream.fast import run_blocks  # fast.py builds on this module
 

@@ -321,7 +321,8 @@ class Trainer:
         )
         return losses, norm
 
-    def eval_loss(self, X, Y):
+    def eval_losses(self, X, Y):
+        """The losses of batches X, Y [n, B, T] (device array, one per batch)."""
         return self._eval(self.params, *self._shard(X, Y))
 
     def adam_state(self) -> optax.ScaleByAdamState:
@@ -410,8 +411,9 @@ def _make_train_step(
 
 def _make_eval_step(graphdef, compiler_options):
     @functools.partial(jax.jit, compiler_options=compiler_options)
-    def evaluate(params, X, Y):
-        return nnx.merge(graphdef, params).forward(X, Y)[1]
+    def evaluate(params, X_NBT, Y_NBT):  # all N batches in one compiled call, one batch at a time
+        model = nnx.merge(graphdef, params)
+        return jax.lax.map(lambda xy: model.forward(*xy)[1], (X_NBT, Y_NBT))
 
     return evaluate
 
@@ -564,16 +566,12 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
     iter_num, best_val_loss = trainer.iter_num, trainer.best_val_loss
     run.start_logging(iter_num)
     say = run.write
-    eval_step = jax.jit(
-        lambda params, X, Y: jax.lax.map(lambda xy: trainer._eval(params, *xy), (X, Y)),
-        compiler_options=trainer.compiler_options,
-    )
 
     def estimate_loss():
         out = {}
-        for split in ("train", "val"):  # all eval_iters batches in one compiled call
-            X, Y = trainer._shard(*batches.get(split, (cfg["eval_iters"],), draw=iter_num, purpose="eval"))
-            out[split] = float(np.mean(fetch_replicated(eval_step(trainer.params, X, Y))))
+        for split in ("train", "val"):
+            X, Y = batches.get(split, (cfg["eval_iters"],), draw=iter_num, purpose="eval")
+            out[split] = float(np.mean(fetch_replicated(trainer.eval_losses(X, Y))))
         return out
 
     unchecked = []  # (iter, device micro-step losses, device grad norm) of iterations not read yet
