@@ -95,18 +95,19 @@ def profile(function, args, top: int, only_kind: str | None = None, compiler_opt
     jax.block_until_ready(compiled(*args))
     jax.profiler.stop_trace()
     trace = json.load(gzip.open(glob.glob(out + "/**/*.trace.json.gz", recursive=True)[0]))
-    per_op, kinds = collections.Counter(), collections.Counter()
+    per_op, calls, kinds = collections.Counter(), collections.Counter(), collections.Counter()
     flops, described = {}, {}
     for event in trace["traceEvents"]:
         name = event.get("name", "")
         if event.get("ph") != "X" or name not in instructions:
             continue
         per_op[name] += event["dur"] / 1e6
+        calls[name] += 1  # an op inside a loop runs once per iteration
     total = sum(per_op.values())
     for name, seconds in per_op.items():
         kind, f, text = kind_of(name, instructions, computations)
         kinds[kind] += seconds
-        flops[name], described[name] = f, f"{kind:12s} {text}"
+        flops[name], described[name] = (f or 0) * calls[name], f"{kind:12s} {text}"
     dot_s = kinds.get("dot", 0.0)
     dot_flops_total = sum(flops.values())
     print(
@@ -121,7 +122,10 @@ def profile(function, args, top: int, only_kind: str | None = None, compiler_opt
     shown = [(n, s) for n, s in per_op.most_common() if only_kind is None or described[n].startswith(only_kind)]
     for name, seconds in shown[:top]:
         rate = f"{flops[name] / seconds / 1e9:7.1f} GFLOP/s" if flops[name] else " " * 15
-        print(f"{seconds * 1e3:8.2f} ms {100 * seconds / total:5.1f}% {rate}  {name:28s} {described[name][:150]}")
+        print(
+            f"{seconds * 1e3:8.2f} ms {100 * seconds / total:5.1f}% {rate} {calls[name]:5d}x  {name:28s} "
+            f"{described[name][:150]}"
+        )
 
 
 def trm_step(args):
