@@ -23,7 +23,7 @@ from flax import nnx
 from jaxport.errors import JaxportError
 from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
-from jaxport.nn import Linear, dot_product_attention, dropout
+from jaxport.nn import Linear, add_positions, dot_product_attention, dropout
 
 # Dense bf16 peak FLOP/s per chip, matched against `jax.Device.device_kind` (first match wins).
 PEAK_FLOPS = (
@@ -156,7 +156,8 @@ class GPT(nnx.Module):
         T = idx_BT.shape[1]
         rngs = jax.random.split(rng, self.config.n_layer + 1) if rng is not None else [None] * (self.config.n_layer + 1)
         positions = pos + jnp.arange(T)
-        x = (jnp.take(self.wte[...], idx_BT, axis=0) + jnp.take(self.wpe[...], positions, axis=0)).astype(self.dtype)
+        x = add_positions(jnp.take(self.wte[...], idx_BT, axis=0), jnp.take(self.wpe[...], positions, axis=0))
+        x = x.astype(self.dtype)
         x = dropout(x, self.config.dropout, rngs[-1])
         new_cache = []
         for i, block in enumerate(self.h):

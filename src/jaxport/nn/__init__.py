@@ -3,7 +3,7 @@
 from jaxport.nn.attention import Attention, dot_product_attention
 from jaxport.nn.dropout import dropout
 from jaxport.nn.initializers import truncated_normal
-from jaxport.nn.linear import Embedding, Linear
+from jaxport.nn.linear import Embedding, Linear, add_positions
 from jaxport.nn.mlp import SwiGLU, find_multiple, swiglu_intermediate_size
 from jaxport.nn.norm import RMSNorm, rms_norm
 from jaxport.nn.rotary import apply_rotary, rotary_cos_sin, rotate_half
@@ -15,6 +15,7 @@ __all__ = [
     "truncated_normal",
     "Embedding",
     "Linear",
+    "add_positions",
     "SwiGLU",
     "find_multiple",
     "swiglu_intermediate_size",
