@@ -14,6 +14,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import jaxlib
+from host import cpu_description
 
 from jaxport import malloc
 from jaxport.gpt import device_peak_flops
@@ -27,7 +28,7 @@ def environment() -> dict:
         "platform": device.platform,
         "device": device.device_kind,
         "device_count": jax.device_count(),
-        "cpu_count": os.cpu_count(),
+        **cpu_description(),
         "machine": platform.machine(),
         "python": platform.python_version(),
         "jax": jax.__version__,

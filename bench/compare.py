@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from host import cpu_description
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 SHARED = REPO.parent / "shared"
@@ -333,6 +335,7 @@ def main() -> int:
         "|---|---|---|---|---|---|",
     ]
     tmp = Path(tempfile.mkdtemp(prefix="jaxport_compare_"))
+    cpu = cpu_description()
     for name in dict.fromkeys(chosen):
         short, function = WORKLOADS[name]
         rounds = [function(tmp, args.quick) for _ in range(args.repeat if short else 1)]
@@ -348,6 +351,7 @@ def main() -> int:
                 "ratio": round(ratio, 3),
                 "rounds": len(rounds),
                 **extras,
+                **cpu,
             }
             print(json.dumps(record), flush=True)
             rss = f"{extras['original_peak_rss'] / 2**20:.0f} / {extras['jaxport_peak_rss'] / 2**20:.0f}"
@@ -356,8 +360,9 @@ def main() -> int:
                 f"{extras.get('jaxport_compile_s', '')} | {rss} |"
             )
     header = (
-        f"jaxport / PyTorch originals, back to back on {time.strftime('%Y-%m-%d')}, "
-        f"{os.cpu_count()} cores ({' '.join(os.uname()[::2])}); ratio = original time / jaxport time"
+        f"jaxport / PyTorch originals, back to back on {time.strftime('%Y-%m-%d')}, {cpu['cpu_count']} cores of "
+        f"{cpu['cpu_model']} ({', '.join(cpu['cpu_isa']) or 'no AVX2'}; {' '.join(os.uname()[::2])}); "
+        "ratio = original time / jaxport time"
     )
     Path(args.markdown).write_text(header + "\n\n" + "\n".join(lines) + "\n")
     print(f"wrote {args.markdown}")
