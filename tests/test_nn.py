@@ -13,6 +13,7 @@ from jaxport.nn import (
     Linear,
     RMSNorm,
     SwiGLU,
+    add_positions,
     apply_rotary,
     dot_product_attention,
     dropout,
@@ -127,6 +128,23 @@ def test_linear_keeps_float32_params_and_casts_at_use():
     layer = Linear(8, 4, bias=True, rngs=nnx.Rngs(0))
     y = layer(jnp.ones((2, 3, 8), jnp.bfloat16))
     assert layer.weight[...].dtype == jnp.float32 and y.dtype == jnp.bfloat16 and y.shape == (2, 3, 4)
+
+
+def test_add_positions_is_the_broadcast_add_with_its_gradients():
+    """GPT's `x + pos`: the value and `x`'s gradient are the plain broadcast add's bit for bit; the position
+    gradient, a product with ones over the batch, is its batch sum up to float rounding (another order)."""
+    x, pos, g = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((12, 64, 128), (64, 128), (12, 64, 128)))
+
+    def value_and_grads(add):
+        out, vjp = jax.vjp(add, x, pos)
+        return (out, *vjp(g))
+
+    out, dx, dpos = jax.jit(lambda: value_and_grads(add_positions))()
+    plain_out, plain_dx, plain_dpos = jax.jit(lambda: value_and_grads(lambda a, b: a + b))()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain_out))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(plain_dx))
+    np.testing.assert_allclose(np.asarray(dpos), np.asarray(plain_dpos), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dpos), np.asarray(g).astype(np.float64).sum(0), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.3])

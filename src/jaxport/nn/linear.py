@@ -122,8 +122,9 @@ class Linear(nnx.Module):
 @jax.custom_vjp
 def add_positions(x_BTC: jax.Array, pos_TC: jax.Array) -> jax.Array:
     """`x + pos`, the position embedding broadcast over the batch. The position gradient is the batch sum of
-    `x`'s gradient; without the barrier XLA:CPU fuses the whole chain that produces `x`'s gradient into that sum
-    and runs it a second time, on one thread (2.2 ms of a 37 ms GPT README-config step). Same values."""
+    `x`'s gradient, computed as a product with ones: as a sum, XLA:CPU fused the whole chain that produces
+    `x`'s gradient into it and ran that chain a second time, on one thread (2.2 ms of a 48 ms GPT
+    README-config step). The product adds the rows in another order (float rounding, not semantics)."""
     return x_BTC + pos_TC
 
 
