@@ -1,6 +1,6 @@
-"""What CPU a benchmark ran on, in a few words: ratios against the originals depend on it (2026-11-23's AMD
-EPYC and 2026-11-25's Intel Xeon with AMX gave the same code 1.16 and 0.62 on one GPT step), so every report
-names it. Standard library only: `compare.py` uses it without importing jax."""
+"""What CPU a benchmark ran on, in a few words: ratios against the originals depend on it (which matrix kernels
+PyTorch and XLA:CPU pick for its instruction sets), so every report names it. Standard library only:
+`compare.py` uses it without importing jax."""
 
 import os
 import platform
