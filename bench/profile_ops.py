@@ -159,6 +159,7 @@ def trm_step(args):
         args.batch,  # noqa: E731
         jax.random.key(0),
     )
+    step.compiler_options = model.compiler_options(batch["inputs"].shape)  # the options jaxport trains with
     return step, (state, model.initial_carry(batch), batch)
 
 

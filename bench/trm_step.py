@@ -79,7 +79,8 @@ def bench(
         return loss_and_grad(nnx.merge(graphdef, state), carry, batch, batch_size, halt_key)
 
     start = time.perf_counter()
-    lowered = jax.jit(step).lower(state, carry, batch)
+    # the options jaxport trains with (TRM.compiler_options)
+    lowered = jax.jit(step, compiler_options=model.compiler_options(batch["inputs"].shape)).lower(state, carry, batch)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     # FLOPs of the unrolled program: the cost analysis counts a fori_loop body once

@@ -22,6 +22,7 @@ from jaxport.nn import (
     swiglu_intermediate_size,
     truncated_normal,
 )
+from jaxport.nn.linear import matmul_t_f32
 
 rng = np.random.default_rng(0)
 
@@ -128,6 +129,23 @@ def test_linear_keeps_float32_params_and_casts_at_use():
     layer = Linear(8, 4, bias=True, rngs=nnx.Rngs(0))
     y = layer(jnp.ones((2, 3, 8), jnp.bfloat16))
     assert layer.weight[...].dtype == jnp.float32 and y.dtype == jnp.bfloat16 and y.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("in_out", [(24, 80), (80, 24)])  # the narrower operand is the input, then the gradient
+def test_linear_gradients_are_the_products_of_the_rounded_operands(dtype, in_out):
+    """Input and weight gradients of `x @ W.T` in `[N, in]` / `[out, in]`, against float64 products of the
+    same (rounded) operands: float32 accumulation, one rounding to the dtype at the end."""
+    (n_in, n_out), rows = in_out, 300
+    x, w, g = (jnp.asarray(rng.normal(size=s), dtype) for s in ((rows, n_in), (n_out, n_in), (rows, n_out)))
+    _, vjp = jax.vjp(lambda x, w: matmul_t_f32(x, w).astype(dtype), x, w)
+    dx, dw = jax.jit(vjp)(g)
+    assert dx.shape == x.shape and dw.shape == w.shape and dx.dtype == dw.dtype == dtype
+    x64, w64, g64 = (np.asarray(a).astype(np.float64) for a in (x, w, g))
+    # float32: sums of 300 unit products (about 17) to float32 rounding; bfloat16 keeps 8 significant bits
+    rtol, atol = (1e-5, 1e-4) if dtype == jnp.float32 else (2.0**-8, 2.0**-8)
+    np.testing.assert_allclose(np.asarray(dw).astype(np.float64), g64.T @ x64, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(np.asarray(dx).astype(np.float64), g64 @ w64, rtol=rtol, atol=atol)
 
 
 def test_add_positions_is_the_broadcast_add_with_its_gradients():

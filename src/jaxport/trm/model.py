@@ -8,7 +8,6 @@
 Shapes: B batch, S = puzzle positions P + seq_len positions, D hidden.
 """
 
-import functools
 import math
 
 import jax
@@ -26,6 +25,7 @@ from jaxport.nn import (
     swiglu_intermediate_size,
     truncated_normal,
 )
+from jaxport.nn.linear import jit_with_options, matmul_compiler_options
 from jaxport.trm.config import TRMConfig
 from jaxport.trm.losses import act_loss_and_metrics
 
@@ -228,6 +228,18 @@ class TRM(nnx.Module):
         cpu = jax.default_backend() == "cpu"
         return 2 if cpu and per_device >= 16 and batch_size % (2 * jax.device_count()) == 0 else 1
 
+    def compiler_options(self, inputs_shape: tuple[int, int]) -> dict | None:
+        """XLA options for a program that runs this model on a batch of `inputs_shape` ([B, L]) across the
+        devices (see `nn.linear.matmul_compiler_options`): its products have the rows of one chunk of one
+        device's batch, puzzle positions included. On a CPU, one YNNPACK fusion per product: XLA:CPU's
+        default also pulls a product's elementwise producers into its fusion (mlp_t's SwiGLU in bfloat16),
+        where they run slower (paper Sudoku arch, batch 32: bfloat16 steps 4.9 -> 4.3 s attention, 4.8 ->
+        4.5 mlp_t; float32 mlp_t 8.6 -> 7.8 s; the demo size level)."""
+        batch_size, length = inputs_shape
+        per_chunk = batch_size // jax.device_count() // self.chunks_for(batch_size)
+        rows = per_chunk * (length + self.config.num_puzzle_positions)
+        return matmul_compiler_options(rows, self.config.forward_dtype, jax.default_backend())
+
     @property
     def training(self) -> bool:
         return not self.deterministic
@@ -299,12 +311,13 @@ class TRM(nnx.Module):
 
     def __call__(self, carry: Carry, batch: dict):
         """`forward`, compiled; the halting RNG's new state is written back to the module."""
-        outputs, state = _forward(*nnx.split(self), carry, {k: jnp.asarray(batch[k]) for k in BATCH_KEYS})
+        batch = {k: jnp.asarray(batch[k]) for k in BATCH_KEYS}
+        forward = jit_with_options(_forward, self.compiler_options(batch["inputs"].shape), static_argnames="graphdef")
+        outputs, state = forward(*nnx.split(self), carry, batch)
         nnx.update(self, state)
         return outputs
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
 def _forward(graphdef, state, carry: Carry, batch: dict):
     model = nnx.merge(graphdef, state)
     return model.forward(carry, batch), nnx.state(model)

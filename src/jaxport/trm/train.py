@@ -109,7 +109,11 @@ class Trainer:
             learning_rate=config.lr, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay
         )
         self.evaluators = self._make_evaluators()
-        self._train_step = jax.jit(self._step, donate_argnums=0)
+        self._train_step = jax.jit(
+            self._step,
+            donate_argnums=0,
+            compiler_options=self.model.compiler_options((self.gbs, self.model_config.seq_len)),
+        )
         self.step_compiled = False
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
