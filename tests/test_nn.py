@@ -80,6 +80,28 @@ def test_attention_matches_torch_sdpa_with_gqa_and_padding(causal):
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unmasked_attention_and_its_gradients_match_torch_sdpa(dtype):
+    """TRM's attention (no mask, no dropout, its own backward pass) against PyTorch's SDPA on the same
+    rounded inputs, value and all three gradients: float32 to float32 rounding, bfloat16 to a few of its
+    ulps (PyTorch rounds other intermediates to bfloat16 than jaxport does)."""
+    B, S, H, D = 2, 9, 3, 8
+    q, k, v, g = (jnp.asarray(rng.normal(size=(B, S, H, D)), dtype) for _ in range(4))
+    out, vjp = jax.vjp(dot_product_attention, q, k, v)
+    got = (out, *jax.jit(vjp)(g))
+    tq, tk, tv, tg = (torch.tensor(np.asarray(a.astype(jnp.float32))).transpose(1, 2) for a in (q, k, v, g))
+    for t in (tq, tk, tv):
+        t.requires_grad_(True)
+    want_out = F.scaled_dot_product_attention(tq, tk, tv)
+    want = (want_out, *torch.autograd.grad(want_out, (tq, tk, tv), tg))
+    atol = 1e-5 if dtype == jnp.float32 else 0.05  # values up to ~3: a bfloat16 ulp is 2^-7 of them
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype and a.shape == (B, S, H, D), name
+        np.testing.assert_allclose(
+            np.asarray(a.astype(jnp.float32)), b.transpose(1, 2).detach().numpy(), atol=atol, err_msg=name
+        )
+
+
 def test_attention_dropout_drops_probabilities_with_inverted_scaling():
     """Values are one-hot per key, so the output rows are the (dropped) attention probabilities."""
     B, S, H, D = 1, 4, 2, 4
