@@ -1,6 +1,7 @@
 """Gated SiLU feed-forward (SwiGLU)."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxport.nn.linear import Linear
@@ -13,6 +14,14 @@ def find_multiple(a: int, b: int) -> int:
 def swiglu_intermediate_size(hidden_size: int, expansion: float) -> int:
     """TRM/HRM rounding: 2/3 of `expansion * hidden`, Python-rounded, up to a multiple of 256."""
     return find_multiple(round(expansion * hidden_size * 2 / 3), 256)
+
+
+def silu(x: jax.Array) -> jax.Array:
+    """`x * sigmoid(x)` computed in float32 and rounded once to `x`'s dtype, forward and backward, as
+    PyTorch's bfloat16/float16 kernels do. Applied to bfloat16 directly, XLA rounds after each of its
+    steps, and the fusion runs slower: silu(gate) * up on [8192, 512] from a float32 [gate | up],
+    5.5 -> 3.3 ms."""
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -36,4 +45,4 @@ class SwiGLU(nnx.Module):
             gate, up = (h.astype(x.dtype) for h in jax.numpy.split(self.gate_up_proj(x, rounded=False), 2, axis=-1))
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(silu(gate) * up)
