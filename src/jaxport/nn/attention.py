@@ -68,14 +68,14 @@ def _heads_dot(a, b, contract_a: int, contract_b: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _full_attention(q_BHSD, k_BHTD, v_BHTD, scale: float):
-    """Attention with neither mask nor dropout (TRM's), the same computation as the general path: float32
-    scores and softmax, probabilities rounded to `v`'s dtype, products accumulated in float32. Its own
-    backward pass puts every product in a form XLA:CPU runs as one plain batched GEMM: autodiff's
-    contractions over the query rows (`dV = Pᵀ dO`, `dK = dSᵀ Q`) came out with transposed operands, which
-    XLA:CPU widens to float32 (bfloat16) or runs at a fraction of the rate, and the forward products came out
-    with layout copies around them. TRM paper size ([16, 8, 97, 64] per row chunk), forward + backward:
-    bfloat16 34.6 -> 20.3 ms, float32 25.1 -> 19.1 ms; the whole paper-size step in bfloat16 4.66-5.00 ->
-    4.37-4.51 s, in float32 level (within noise). The sums add in another order (float rounding)."""
+    """Attention with neither mask nor dropout (TRM's), the same computation as the general path: float32 scores and
+    softmax, probabilities rounded to `v`'s dtype, products accumulated in float32. Its own backward pass puts every
+    product in a form XLA:CPU runs as one plain batched GEMM: autodiff's contractions over the query rows
+    (`dV = Pᵀ dO`, `dK = dSᵀ Q`) came out with transposed operands, which XLA:CPU widens to float32 (bfloat16) or
+    runs at a fraction of the rate, and the forward products came out with layout copies around them. Measured
+    2026-11-25 (2-core Intel host with AMX), TRM paper size ([16, 8, 97, 64] per row chunk), forward + backward:
+    bfloat16 34.6 -> 20.3 ms, float32 25.1 -> 19.1 ms; the whole paper-size step in bfloat16 4.66-5.00 -> 4.37-4.51
+    s, in float32 level (within noise). The sums add in another order (float rounding)."""
     return _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale)[0]
 
 

@@ -52,12 +52,12 @@ def _weight_gradient(x_2d, g_2d):
 
 
 def _weight_gradient_low_precision(x_2d, g_2d):
-    """bfloat16 (float16) `g^T x`. XLA:CPU's `operand_upcaster` widens a low-precision product to float32 unless
-    both operands are row-major with the contraction on the left operand's last dimension, and a product over
-    the rows is not: widened, it runs at a fifth of the bf16 rate (AMX host: [1552, 512] x [1552, 3072] rows,
-    25 ms against 7). So the operand with fewer columns is transposed into a row-major copy first (cheap: the
-    narrow one) and the product runs as `[small, rows] x [rows, big]`, bf16 operands, float32 accumulation,
-    as PyTorch's does; 2.6-6x faster on TRM's weight gradients, the sums in another order (float rounding)."""
+    """bfloat16 (float16) `g^T x`. XLA:CPU's `operand_upcaster` widens a low-precision product to float32 unless both
+    operands are row-major with the contraction on the left operand's last dimension, and a product over the rows is
+    not: widened, it runs at a fifth of the bf16 rate (2026-11-25, 2-core AMX host: [1552, 512] x [1552, 3072] rows,
+    25 ms against 7). So the operand with fewer columns is transposed into a row-major copy first (cheap: the narrow
+    one) and the product runs as `[small, rows] x [rows, big]`, bf16 operands, float32 accumulation, as PyTorch's
+    does; 2.6-6x faster on TRM's weight gradients, the sums in another order (float rounding)."""
     nn = (((1,), (0,)), ((), ()))
     if g_2d.shape[1] <= x_2d.shape[1]:
         return jax.lax.dot_general(row_major_transpose(g_2d), x_2d, nn, preferred_element_type=jnp.float32)

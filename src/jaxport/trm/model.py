@@ -229,12 +229,12 @@ class TRM(nnx.Module):
         return 2 if cpu and per_device >= 16 and batch_size % (2 * jax.device_count()) == 0 else 1
 
     def compiler_options(self, inputs_shape: tuple[int, int]) -> dict | None:
-        """XLA options for a program that runs this model on a batch of `inputs_shape` ([B, L]) across the
-        devices (see `nn.linear.matmul_compiler_options`): its products have the rows of one chunk of one
-        device's batch, puzzle positions included. On a CPU, one YNNPACK fusion per product: XLA:CPU's
-        default also pulls a product's elementwise producers into its fusion (mlp_t's SwiGLU in bfloat16),
-        where they run slower (paper Sudoku arch, batch 32: bfloat16 steps 4.9 -> 4.3 s attention, 4.8 ->
-        4.5 mlp_t; float32 mlp_t 8.6 -> 7.8 s; the demo size level)."""
+        """XLA options for a program that runs this model on a batch of `inputs_shape` ([B, L]) across the devices (see
+        `nn.linear.matmul_compiler_options`): its products have the rows of one chunk of one device's batch, puzzle
+        positions included. On a CPU, one YNNPACK fusion per product: XLA:CPU's default also pulls a product's
+        elementwise producers into its fusion (mlp_t's SwiGLU in bfloat16), where they run slower (2026-11-25, 2-core
+        AMX host, paper Sudoku arch, batch 32: bfloat16 steps 4.9 -> 4.3 s attention, 4.8 -> 4.5 mlp_t; float32 mlp_t
+        8.6 -> 7.8 s; the demo size level)."""
         batch_size, length = inputs_shape
         per_chunk = batch_size // jax.device_count() // self.chunks_for(batch_size)
         rows = per_chunk * (length + self.config.num_puzzle_positions)
