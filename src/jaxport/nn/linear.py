@@ -37,32 +37,27 @@ def _matmul_t_bwd(residuals, g_2d):
 
 
 def _weight_gradient(x_2d, g_2d):
-    """`g^T x`, `[out, in]`, contracted over the rows, accumulated in float32."""
-    if x_2d.dtype != jnp.float32:
-        return _weight_gradient_low_precision(x_2d, g_2d)
-    # XLA:CPU runs the float32 product 1.2-2.9x faster when its result has the larger of its two dimensions
-    # last ([1296, 64] x [1296, 512] rows: 0.82 ms as [64, 512], 2.38 as [512, 64], one core), so it is computed
-    # that way round and transposed (same bits). The barrier keeps XLA's simplifier from folding the transpose
-    # back into the product.
-    contract_rows = (((0,), (0,)), ((), ()))
-    if g_2d.shape[1] <= x_2d.shape[1]:
-        return jax.lax.dot_general(g_2d, x_2d, contract_rows, preferred_element_type=jnp.float32)
-    dw_t = jax.lax.dot_general(x_2d, g_2d, contract_rows, preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(dw_t).T
+    """`g^T x`, `[out, in]`, contracted over the rows, accumulated in float32.
 
+    Either way round, the product has the wider operand's dimension last, and a result `[in, out]` is
+    transposed (same bits; the barrier keeps XLA's simplifier from folding the transpose back into the
+    product). In float32, XLA:CPU runs the product over the rows 1.2-2.9x faster that way round ([1296, 64] x
+    [1296, 512] rows: 0.82 ms as [64, 512], 2.38 as [512, 64], one core). In bfloat16 (float16) XLA:CPU's
+    `operand_upcaster` widens any product over the rows to float32, a fifth of the bf16 rate (2026-11-25,
+    2-core AMX host: [1552, 512] x [1552, 3072] rows, 25 ms against 7), so the narrower operand is first
+    transposed into a row-major copy (cheap: the narrow one) and the product runs as `[narrow, rows] x [rows,
+    wide]`, bf16 operands and float32 accumulation as PyTorch's: 2.6-6x faster on TRM's weight gradients, the
+    sums in another order (float rounding). In float32 that copy costs more than it saves."""
 
-def _weight_gradient_low_precision(x_2d, g_2d):
-    """bfloat16 (float16) `g^T x`. XLA:CPU's `operand_upcaster` widens a low-precision product to float32 unless both
-    operands are row-major with the contraction on the left operand's last dimension, and a product over the rows is
-    not: widened, it runs at a fifth of the bf16 rate (2026-11-25, 2-core AMX host: [1552, 512] x [1552, 3072] rows,
-    25 ms against 7). So the operand with fewer columns is transposed into a row-major copy first (cheap: the narrow
-    one) and the product runs as `[small, rows] x [rows, big]`, bf16 operands, float32 accumulation, as PyTorch's
-    does; 2.6-6x faster on TRM's weight gradients, the sums in another order (float rounding)."""
-    nn = (((1,), (0,)), ((), ()))
+    def product(a_2d, b_2d):  # a^T b over the rows
+        if a_2d.dtype == jnp.float32:
+            return jax.lax.dot_general(a_2d, b_2d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        nn = (((1,), (0,)), ((), ()))
+        return jax.lax.dot_general(row_major_transpose(a_2d), b_2d, nn, preferred_element_type=jnp.float32)
+
     if g_2d.shape[1] <= x_2d.shape[1]:
-        return jax.lax.dot_general(row_major_transpose(g_2d), x_2d, nn, preferred_element_type=jnp.float32)
-    dw_t = jax.lax.dot_general(row_major_transpose(x_2d), g_2d, nn, preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(dw_t).T
+        return product(g_2d, x_2d)
+    return jax.lax.optimization_barrier(product(x_2d, g_2d)).T
 
 
 def row_major_transpose(a):
