@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxport.nn.dropout import dropout
-from jaxport.nn.linear import Linear, row_major_transpose
+from jaxport.nn.linear import Linear, row_major, row_major_transpose
 from jaxport.nn.rotary import apply_rotary
 
 
@@ -41,7 +41,7 @@ def dot_product_attention(
     if causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK:
         return _causal_attention_in_blocks(q_BSHD, k_BTKD, v_BTKD, scale, dropout_rate, dropout_rng)
     if not causal and mask is None and dropout_rng is None:
-        heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+        heads_first = lambda x: _row_major_unless_f32(x.transpose(0, 2, 1, 3))  # noqa: E731
         return heads_first(_full_attention(heads_first(q_BSHD), heads_first(k_BTKD), heads_first(v_BTKD), scale))
     scores = jnp.einsum("bshd,bthd->bhst", q_BSHD, k_BTKD, preferred_element_type=jnp.float32) * scale
     allowed = None
@@ -68,32 +68,43 @@ def _heads_dot(a, b, contract_a: int, contract_b: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _full_attention(q_BHSD, k_BHTD, v_BHTD, scale: float):
-    """Attention with neither mask nor dropout (TRM's), the same computation as the general path: float32 scores and
-    softmax, probabilities rounded to `v`'s dtype, products accumulated in float32. Its own backward pass puts every
-    product in a form XLA:CPU runs as one plain batched GEMM: autodiff's contractions over the query rows
-    (`dV = Pᵀ dO`, `dK = dSᵀ Q`) came out with transposed operands, which XLA:CPU widens to float32 (bfloat16) or
-    runs at a fraction of the rate, and the forward products came out with layout copies around them. Measured
-    2026-11-25 (2-core Intel host with AMX), TRM paper size ([16, 8, 97, 64] per row chunk), forward + backward:
-    bfloat16 34.6 -> 20.3 ms, float32 25.1 -> 19.1 ms; the whole paper-size step in bfloat16 4.66-5.00 -> 4.37-4.51
-    s, in float32 level (within noise). The sums add in another order (float rounding)."""
+    """Attention with neither mask nor dropout (TRM's, Dream's decoding), rounded where PyTorch's CPU flash-attention
+    kernel (what SDPA runs there) rounds: float32 scores and softmax; the unnormalised exponentials rounded to `v`'s
+    dtype for the product with `v` and the float32 result divided by their sums; in the backward pass, the float32
+    `dS` rounded to the dtype for the `dQ`/`dK` products and the probabilities for `dV`. Every product has operands
+    of one dtype, accumulates in float32, and is one plain batched GEMM of row-major operands, which XLA:CPU runs
+    without widening bfloat16 to float32 (see `row_major`). On 4 x 8 heads x 97 positions of bfloat16 against
+    torch 2.13's SDPA, this differs from PyTorch's output on 9% of the values (one ulp) and on 25% of `dQ`, where the
+    plain formula (normalised probabilities rounded, `dS` in float32 as autodiff computes it) differed on 48% and
+    50%. In float32 the only change from the plain formula is the order of the division (float rounding)."""
     return _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale)[0]
 
 
+def _row_major_unless_f32(x):
+    """Heads-first operands written out row-major where XLA:CPU would otherwise widen a reduced-precision product to
+    float32; float32 products take any layout, and the copy made the float32 TRM step ~3% slower."""
+    return x if x.dtype == jnp.float32 else row_major(x)
+
+
 def _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale):
-    probs_BHST = jax.nn.softmax(_heads_dot(q_BHSD, k_BHTD, 3, 3) * scale, axis=-1)
-    out_BHSD = _heads_dot(probs_BHST.astype(v_BHTD.dtype), v_BHTD, 3, 2).astype(v_BHTD.dtype)
-    return out_BHSD, (q_BHSD, k_BHTD, v_BHTD, probs_BHST)
+    scores_BHST = _heads_dot(q_BHSD, k_BHTD, 3, 3) * scale
+    exps_BHST = jnp.exp(scores_BHST - jnp.max(scores_BHST, axis=-1, keepdims=True))
+    sums_BHS1 = jnp.sum(exps_BHST, axis=-1, keepdims=True)
+    out_BHSD = (_heads_dot(exps_BHST.astype(v_BHTD.dtype), v_BHTD, 3, 2) / sums_BHS1).astype(v_BHTD.dtype)
+    return out_BHSD, (q_BHSD, k_BHTD, v_BHTD, exps_BHST / sums_BHS1)
 
 
 def _full_attention_bwd(scale, residuals, dout_BHSD):
     q_BHSD, k_BHTD, v_BHTD, probs_BHST = residuals
     dtype = v_BHTD.dtype
-    probs_rounded = probs_BHST.astype(dtype)
-    dv = _heads_dot(row_major_transpose(probs_rounded), dout_BHSD, 3, 2).astype(dtype)
-    dprobs_BHST = _heads_dot(dout_BHSD, v_BHTD, 3, 3).astype(dtype).astype(jnp.float32)  # rounded as in autodiff
-    dscores_BHST = probs_BHST * (dprobs_BHST - jnp.sum(dprobs_BHST * probs_BHST, axis=-1, keepdims=True)) * scale
-    dq = _heads_dot(dscores_BHST, k_BHTD.astype(jnp.float32), 3, 2).astype(q_BHSD.dtype)
-    dk = _heads_dot(row_major_transpose(dscores_BHST), q_BHSD.astype(jnp.float32), 3, 2).astype(k_BHTD.dtype)
+    dout_BHSD = _row_major_unless_f32(dout_BHSD)  # the cotangent of a heads-first transpose
+    dv = _heads_dot(row_major_transpose(probs_BHST.astype(dtype)), dout_BHSD, 3, 2).astype(dtype)
+    dprobs_BHST = _heads_dot(dout_BHSD, v_BHTD, 3, 3)
+    dscores_BHST = (
+        probs_BHST * (dprobs_BHST - jnp.sum(dprobs_BHST * probs_BHST, axis=-1, keepdims=True)) * scale
+    ).astype(dtype)
+    dq = _heads_dot(dscores_BHST, k_BHTD, 3, 2).astype(q_BHSD.dtype)
+    dk = _heads_dot(row_major_transpose(dscores_BHST), q_BHSD, 3, 2).astype(k_BHTD.dtype)
     return dq, dk, dv
 
 

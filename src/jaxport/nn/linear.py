@@ -60,12 +60,16 @@ def _weight_gradient(x_2d, g_2d):
     return jax.lax.optimization_barrier(product(x_2d, g_2d)).T
 
 
+def row_major(a):
+    """`a` as a row-major array. XLA gives a transpose a permuted layout (a relabelling of the same memory) and
+    carries that layout through elementwise ops and barriers; flattened behind a barrier, a transposed array
+    must be written out."""
+    return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
+
+
 def row_major_transpose(a):
-    """`a` with its last two dimensions swapped, as a row-major copy. XLA gives a transpose a permuted layout
-    (a relabelling of the same memory) and carries that layout through elementwise ops and barriers;
-    flattened behind a barrier, the transpose must be written out."""
-    *batch, rows, cols = a.shape
-    return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2).reshape(-1)).reshape(*batch, cols, rows)
+    """`a` with its last two dimensions swapped, as a row-major copy."""
+    return row_major(jnp.swapaxes(a, -1, -2))
 
 
 matmul_t_f32.defvjp(_matmul_t_fwd, _matmul_t_bwd)
