@@ -242,3 +242,20 @@ def test_dropout_masks_are_independent_across_positions_and_keys():
     assert abs(1 - a.mean() - 0.25) < 0.002
     for x, y in ((a[:-1], a[1:]), (a[:, :-1], a[:, 1:]), (a, b)):  # neighbours and another key: uncorrelated
         assert abs(np.corrcoef(x.ravel(), y.ravel())[0, 1]) < 0.01
+
+
+def test_row_chunks_compute_each_row_once_and_keep_row_order():
+    from jaxport.nn.chunks import in_row_chunks
+
+    x = jnp.arange(24.0).reshape(6, 2, 2)
+    seen = []
+
+    def rowwise(a, b):
+        seen.append(a.shape)
+        return a * 2 + b, a.sum(-1)
+
+    doubled, sums = in_row_chunks(rowwise, 3, x, x[:, :1])
+    assert seen == [(2, 2, 2)] * 3
+    np.testing.assert_array_equal(doubled, x * 2 + x[:, :1])
+    np.testing.assert_array_equal(sums, x.sum(-1))
+    assert in_row_chunks(lambda a: a + 1, 1, x).shape == x.shape

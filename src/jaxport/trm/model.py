@@ -25,6 +25,7 @@ from jaxport.nn import (
     swiglu_intermediate_size,
     truncated_normal,
 )
+from jaxport.nn.chunks import in_row_chunks
 from jaxport.nn.linear import jit_with_options, matmul_compiler_options
 from jaxport.trm.config import TRMConfig
 from jaxport.trm.losses import act_loss_and_metrics
@@ -184,15 +185,10 @@ class TRMInner(nnx.Module):
         x_BSD = self.input_embeddings(data["inputs"], puzzle_rows_BE)
         cos_sin = self.cos_sin(x_BSD.shape[1])
 
-        # Rows are independent until the loss, so the recursion may run on row chunks (see
-        # TRM.chunks_for). Chunk c holds rows c, c + n, ...: a reshape, so every device keeps
-        # its own rows of a batch-sharded array.
-        def chunk(x):  # [B, ...] -> [B // n, n, ...]
-            return x.reshape(x.shape[0] // row_chunks, row_chunks, *x.shape[1:])
-
-        z_H_BnSD, z_L_BnSD, x_BnSD = chunk(carry.z_H), chunk(carry.z_L), chunk(x_BSD)
-        chunks = [self.reason(z_H_BnSD[:, c], z_L_BnSD[:, c], x_BnSD[:, c], cos_sin, unroll) for c in range(row_chunks)]
-        z_H, z_L = (jnp.stack(zs, axis=1).reshape(carry.z_H.shape) for zs in zip(*chunks))
+        # Rows are independent until the loss, so the recursion may run on row chunks (see TRM.chunks_for).
+        z_H, z_L = in_row_chunks(
+            lambda z_H, z_L, x: self.reason(z_H, z_L, x, cos_sin, unroll), row_chunks, carry.z_H, carry.z_L, x_BSD
+        )
         logits_BLV = self.lm_head(z_H)[:, self.num_puzzle_positions :]
         q_B2 = self.q_head(z_H[:, 0]).astype(jnp.float32)
         new_carry = InnerCarry(z_H=jax.lax.stop_gradient(z_H), z_L=jax.lax.stop_gradient(z_L))

@@ -181,8 +181,11 @@ class Trainer:
 
     # ----- the step
 
-    def _step(self, state: TrainState, batch: dict, lr, puzzle_lr, halt_key):
+    def _step(self, state: TrainState, batch: dict, lr, puzzle_lr):
         model = nnx.merge(self.graphdef, state.params, state.buffers, self.rest)
+        # the halting exploration's key for upstream's step number (counted before the update), made here: made on
+        # the host, each key waited for the step before it, and no step overlapped the host's work for the next
+        halt_key = jax.random.fold_in(jax.random.key(self.config.seed), state.step + 1)
         (carry, loss, metrics, _), (param_grads, row_grads) = loss_and_grad(
             model, state.carry, batch, self.gbs, halt_key
         )
@@ -207,9 +210,6 @@ class Trainer:
         weights_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((params, buffers))]))
         return new_state, {"loss": loss, "metrics": metrics, "weights_finite": weights_finite}
 
-    def halt_key(self, step: int):
-        return jax.random.fold_in(jax.random.key(self.config.seed), step)
-
     def train_batch(self, batch: dict) -> bool:
         """Start one optimizer step on `batch` (upstream's train_batch); False once the schedule is done."""
         step = self.step + 1  # upstream increments before computing the LR
@@ -224,7 +224,8 @@ class Trainer:
         )
         lr = compute_lr(config.lr, **lr_args)
         puzzle_lr = compute_lr(config.puzzle_emb_lr, **lr_args)
-        args = (self.state, shard_batch(batch, self.mesh), jnp.float32(lr), jnp.float32(puzzle_lr), self.halt_key(step))
+        # numpy scalars: jnp.float32(lr) runs a conversion that waits for the step before it, as a key made here did
+        args = (self.state, shard_batch(batch, self.mesh), np.float32(lr), np.float32(puzzle_lr))
         if not self.step_compiled:  # compile ahead of the first call to size the host-memory policy
             malloc.reuse_memory_for(self._train_step.lower(*args).compile())
             self.step_compiled = True
