@@ -184,7 +184,7 @@ def gpt_step(args):
     Xd, Yd = trainer._shard(X, X)
     step = trainer._step.__wrapped__ if hasattr(trainer._step, "__wrapped__") else trainer._step
     step.compiler_options = trainer.compiler_options  # the options jaxport compiles this step with
-    return step, (trainer.params, trainer.opt_state, trainer.loss_scale, Xd, Yd, jnp.float32(1e-3), jax.random.key(0))
+    return step, (trainer.params, trainer.opt_state, trainer.loss_scale, Xd, Yd, np.float32(1e-3), np.int32(0))
 
 
 def dream(args):

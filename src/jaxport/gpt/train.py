@@ -279,6 +279,7 @@ class Trainer:
             state_shardings,
             loss_scaling=self.dtype == jnp.float16,
             compiler_options=self.compiler_options,
+            seed=cfg["seed"],
         )
         self._eval = _make_eval_step(self.graphdef, self.compiler_options)
 
@@ -311,13 +312,13 @@ class Trainer:
                 raise JaxportError(f"batch of {a.shape[-2]} rows is not divisible by the {n} devices of the mesh")
         return shard_batch([np.asarray(a, np.int32) for a in arrays], self.mesh, batch_dim=-2)
 
-    def step(self, X, Y, lr: float, rng=None):
-        """One iteration on micro-batches X, Y [accum, B, T]: returns (micro losses, grad norm)
-        as device arrays (reading them waits for the step)."""
+    def step(self, X, Y, lr: float, draw: int = 0):
+        """One iteration on micro-batches X, Y [accum, B, T] with the dropout key of iteration `draw`: returns
+        (micro losses, grad norm) as device arrays (reading them waits for the step). The arguments go in as
+        numpy values: an eager `jnp` conversion or key would wait for the step before it."""
         X, Y = self._shard(X, Y)
-        rng = jax.random.key(self.cfg["seed"]) if rng is None else rng
         self.params, self.opt_state, self.loss_scale, losses, norm = self._step(
-            self.params, self.opt_state, self.loss_scale, X, Y, jnp.float32(lr), rng
+            self.params, self.opt_state, self.loss_scale, X, Y, np.float32(lr), np.int32(draw)
         )
         return losses, norm
 
@@ -360,7 +361,7 @@ class Trainer:
 
 
 def _make_train_step(
-    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, compiler_options
+    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, compiler_options, seed
 ):
     def loss_fn(params, x, y, rng):
         return nnx.merge(graphdef, params).forward(x, y, rng if dropout else None)[1]
@@ -372,7 +373,9 @@ def _make_train_step(
         out_shardings=(*state_shardings, None, None),
         compiler_options=compiler_options,
     )
-    def step(params, opt_state, loss_scale, X, Y, lr, rng):
+    def step(params, opt_state, loss_scale, X, Y, lr, draw):
+        # the dropout key of iteration `draw`, made here: made on the host, it waited for the step before it
+        rng = jax.random.fold_in(jax.random.key(seed), draw)
         accum = X.shape[0]
         scale, good_steps = loss_scale
 
@@ -608,7 +611,6 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
 
     X, Y = batches.get("train", (accum,), draw=iter_num)
     t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
-    base_key = jax.random.key(cfg["seed"])
     interval = cfg["checkpoint_interval"]
     while True:
         lr = get_lr(iter_num, cfg) if cfg["decay_lr"] else cfg["learning_rate"]
@@ -627,7 +629,7 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             save(lr)
         if iter_num == 0 and cfg["eval_only"]:
             break
-        micro_losses, norm = trainer.step(X, Y, lr, jax.random.fold_in(base_key, iter_num))
+        micro_losses, norm = trainer.step(X, Y, lr, iter_num)
         unchecked.append((iter_num, micro_losses, norm))
         X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs
         steps_timed += 1
