@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxport: unknown family {family!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     malloc.keep_freed_memory()
+    from jaxport.compile_time import keep_compiled_programs  # imports jax: not before the restart above
+
+    keep_compiled_programs()
     # orbax reports (even its failed background saves) through absl's logger; jaxport says what matters in
     # its own words
     logging.getLogger("absl").setLevel(logging.CRITICAL)

@@ -1,0 +1,74 @@
+"""The `jaxport` command keeps its compiled programs on disk: a second run of the same command loads them."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gpt"
+TINY_RUN = [
+    "gpt",
+    "train",
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--block_size=16",
+    "--batch_size=4",
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=32",
+    "--max_iters=3",
+    "--eval_interval=3",
+    "--eval_iters=1",
+    "--log_interval=1",
+    "--progress=False",
+]
+
+
+def _jaxport(argv, cwd, cache_home, **env):
+    """A `jaxport` process whose only cache settings are `env` (the suite's own cache folder is left out)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxport.cli", *argv],
+        cwd=cwd,
+        env={**clean, "XDG_CACHE_HOME": str(cache_home), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _programs(folder: Path) -> dict[str, int]:
+    """Cached program -> when it was last read or written (JAX's LRU stamp)."""
+    return {p.name[: -len("-atime")]: p.stat().st_mtime_ns for p in folder.glob("*-atime")}
+
+
+def test_a_second_run_loads_the_first_runs_programs_and_trains_the_same(tmp_path):
+    cwd, cache_home = tmp_path / "run", tmp_path / "cache"
+    cwd.mkdir()
+    text = str(FIXTURES / "tinyshakespeare" / "input.txt")
+    _jaxport(["gpt", "prepare", "shakespeare_char", "--input", text], cwd, cache_home)
+    first = _jaxport([*TINY_RUN, "--out_dir=first"], cwd, cache_home)
+    folder = cache_home / "jaxport" / "xla"
+    stored = _programs(folder)
+    assert any(name.startswith("jit_step-") for name in stored), sorted(stored)
+
+    second = _jaxport([*TINY_RUN, "--out_dir=second"], cwd, cache_home)
+    again = _programs(folder)
+    assert again.keys() == stored.keys()  # nothing compiled anew
+    assert all(again[name] > stored[name] for name in stored if name.startswith("jit_step-"))  # read back
+    losses = lambda out: re.findall(r"loss (\d+\.\d+)", out)  # noqa: E731
+    assert losses(first) and losses(second) == losses(first)
+
+
+def test_jax_s_own_setting_turns_the_cache_off(tmp_path):
+    cwd, cache_home = tmp_path / "run", tmp_path / "cache"
+    cwd.mkdir()
+    text = str(FIXTURES / "tinyshakespeare" / "input.txt")
+    off = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+    _jaxport(["gpt", "prepare", "shakespeare_char", "--input", text], cwd, cache_home, **off)
+    _jaxport(TINY_RUN, cwd, cache_home, **off)
+    assert not (cache_home / "jaxport").exists()
