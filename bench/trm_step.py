@@ -18,8 +18,11 @@ import numpy as np
 from _common import compiled_flops, emit, environment, peak_rss_bytes, utilisation
 from flax import nnx
 
+from jaxport import malloc
 from jaxport.trm import TRM, TRMConfig
 from jaxport.trm.model import loss_and_grad
+
+malloc.restart_with_huge_pages()  # as `jaxport trm` does
 
 PAPER_SUDOKU = dict(
     vocab_size=11,

@@ -22,7 +22,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] == ["gpt"]:  # run as the program, not called from Python
+    if argv is None and sys.argv[1:2] in (["gpt"], ["trm"]):  # run as the program, not called from Python
         malloc.restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
