@@ -80,11 +80,16 @@ def utilisation(flops_per_call: float | None, seconds: float, dtype: str, peaks:
     }
 
 
-def compiled_flops(lowered) -> float | None:
-    """FLOPs of a lowered program from XLA's cost analysis (a loop body counts once)."""
-    cost = lowered.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost.get("flops", 0.0)) or None if cost else None
+def compiled_flops(lowered, compiled=None) -> float | None:
+    """FLOPs of a lowered program from XLA's cost analysis (a loop body counts once). Where the lowered program has
+    no count (on a GPU, jax-ml/jax#22713; seen with jaxlib 0.11.2 on an H200), the compiled one's, `compiled` or
+    `lowered` compiled now, which leaves out custom calls such as cuDNN's attention."""
+    for analysed in (lambda: lowered, lambda: compiled or lowered.compile()):
+        cost = analysed().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        if cost and cost.get("flops"):
+            return float(cost["flops"])
+    return None
 
 
 def peak_rss_bytes() -> int:

@@ -87,7 +87,7 @@ def bench(
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     # FLOPs of the unrolled program: the cost analysis counts a fori_loop body once
-    flops = compiled_flops(lowered) if loop == "unrolled" else None
+    flops = compiled_flops(lowered, compiled) if loop == "unrolled" else None
     (carry, *_), _ = jax.block_until_ready(compiled(state, carry, batch))  # first run: allocations, thread pools
     times = []
     for _ in range(steps):  # the ACT carry persists across steps, as in the original's harness

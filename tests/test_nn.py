@@ -233,6 +233,36 @@ def test_causal_attention_in_blocks_equals_the_full_product(rate, monkeypatch):
     np.testing.assert_array_equal(np.asarray(blocked), np.asarray(full))
 
 
+def test_attention_on_a_gpu_takes_cudnns_fused_kernel_where_it_applies(monkeypatch):
+    """On a GPU, 16-bit attention without mask or dropout goes to cuDNN's flash kernel (as SDPA on CUDA); the
+    rest, and a cuDNN that refuses, get XLA's ops with one masked product, not the CPU's 64-query blocks."""
+    from jaxport.nn import attention
+
+    calls, real = [], jax.nn.dot_product_attention
+
+    def cudnn_as_xla(*args, implementation=None, **kwargs):  # records the request; computes with XLA's ops here
+        calls.append((implementation, kwargs["is_causal"]))
+        return real(*args, implementation="xla", **kwargs)
+
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 256, 4, 16)), jnp.bfloat16) for _ in range(3))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn_as_xla)
+    fused = dot_product_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(real(q, k, v, is_causal=True)))
+    dot_product_attention(q, k[:, :64, :2], v[:, :64, :2])  # grouped KV heads, 256 queries over 64 keys
+    assert calls == [("cudnn", True), ("cudnn", False)]
+    dot_product_attention(q, k, v, causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), causal=True)
+    dot_product_attention(q, k, v, mask=jnp.ones((2, 256), bool))
+    assert len(calls) == 2  # dropout, float32 and a mask are XLA's
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", real)  # this CPU's cuDNN refuses: "not detected"
+    fallback = dot_product_attention(q, k, v, causal=True)
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", 1024)  # the full masked product, as on a CPU with one block
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    np.testing.assert_array_equal(np.asarray(fallback), np.asarray(dot_product_attention(q, k, v, causal=True)))
+
+
 def test_dropout_masks_are_independent_across_positions_and_keys():
     import importlib
 

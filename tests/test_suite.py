@@ -59,3 +59,13 @@ def test_unknown_family_is_one_clear_error(tmp_path):
     assert proc.returncode == 2
     assert "--only trm,llama: unknown llama; choose from trm, gpt, dream" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "suite.json").exists()
+
+
+def test_a_family_past_its_timeout_is_stopped_and_the_report_says_so(tmp_path):
+    proc = run_suite("--tiny", "--only", "gpt", "--skip-originals", "--timeout", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "suite.json").read_text())["sections"]["gpt"]
+    stopped = [r for r in rows if r["side"] == "jaxport"]
+    assert [r["status"] for r in stopped] == ["error"]
+    assert stopped[0]["reason"].endswith("stopped after --timeout 1 s")
+    assert "error: exit -9: stopped after --timeout 1 s" in (tmp_path / "suite.md").read_text()

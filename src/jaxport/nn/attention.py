@@ -34,11 +34,16 @@ def dot_product_attention(
     B, S, H, D = q_BSHD.shape
     T, K = k_BTKD.shape[1], k_BTKD.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if mask is None and (dropout_rng is None or dropout_rate == 0.0) and (S == T or not causal):
+        fused = _fused_attention_on_gpu(q_BSHD, k_BTKD, v_BTKD, causal, scale)
+        if fused is not None:
+            return fused
     if K != H:
         # Grouped KV heads: each KV head serves H // K consecutive query heads. Repeating them keeps
         # the plain 4-D contraction, which XLA:CPU runs markedly faster than a 5-D grouped one.
         k_BTKD, v_BTKD = jnp.repeat(k_BTKD, H // K, axis=2), jnp.repeat(v_BTKD, H // K, axis=2)
-    if causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK:
+    on_cpu = jax.default_backend() == "cpu"
+    if causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK and on_cpu:
         return _causal_attention_in_blocks(q_BSHD, k_BTKD, v_BTKD, scale, dropout_rate, dropout_rng)
     if not causal and mask is None and dropout_rng is None:
         heads_first = lambda x: _row_major_unless_f32(x.transpose(0, 2, 1, 3))  # noqa: E731
@@ -57,6 +62,21 @@ def dot_product_attention(
         probs = jnp.where(jnp.any(allowed, axis=-1, keepdims=True), probs, 0.0)
     probs = dropout(probs, dropout_rate, dropout_rng)
     return jnp.einsum("bhst,bthd->bshd", probs.astype(v_BTKD.dtype), v_BTKD)
+
+
+def _fused_attention_on_gpu(q_BSHD, k_BTKD, v_BTKD, causal: bool, scale: float):
+    """cuDNN's fused (flash) attention, the kernel PyTorch's SDPA runs on CUDA where it may: on a GPU, for 16-bit
+    operands whose head dim cuDNN takes (a multiple of 8, at most 128), without mask or dropout. None where it does
+    not apply or this cuDNN refuses the shape, and XLA's ops compute the attention instead."""
+    D = q_BSHD.shape[-1]
+    if jax.default_backend() != "gpu" or q_BSHD.dtype not in (jnp.bfloat16, jnp.float16) or D % 8 or D > 128:
+        return None
+    try:
+        return jax.nn.dot_product_attention(
+            q_BSHD, k_BTKD, v_BTKD, scale=scale, is_causal=causal, implementation="cudnn"
+        )
+    except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or one without this shape or GPU
+        return None
 
 
 def _heads_dot(a, b, contract_a: int, contract_b: int):
@@ -119,7 +139,8 @@ def _causal_attention_in_blocks(q_BSHD, k_BSHD, v_BSHD, scale, dropout_rate, dro
     up to its own end: key blocks that are entirely masked are never computed (37% fewer FLOPs at 256
     positions) and each block's scores stay in cache, 1.7x faster forward+backward than the full
     [S, S] product on XLA:CPU at nanoGPT's shakespeare_char size. The result is the full computation's
-    bit for bit (a masked score adds an exact 0 to the softmax), dropout included (see `dropout`)."""
+    bit for bit (a masked score adds an exact 0 to the softmax), dropout included (see `dropout`). CPU only: that
+    is where the blocks were measured to pay; an accelerator gets one masked product, or the fused kernel above."""
     B, S, H, D = q_BSHD.shape
     outputs = []
     for start in range(0, S, CAUSAL_BLOCK):
