@@ -263,6 +263,26 @@ def test_attention_on_a_gpu_takes_cudnns_fused_kernel_where_it_applies(monkeypat
     np.testing.assert_array_equal(np.asarray(fallback), np.asarray(dot_product_attention(q, k, v, causal=True)))
 
 
+def test_bf16_linear_gradients_off_the_cpu_are_plain_products_without_layout_copies(monkeypatch):
+    """The row-major copies and barriers that keep XLA:CPU's bf16 weight gradients fast are CPU-only: on a GPU the
+    backward is two plain products (the same values up to float order)."""
+    from jaxport.nn.linear import matmul_t_f32
+
+    x = jnp.asarray(rng.normal(size=(96, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(48, 32)), jnp.bfloat16)
+    grad = jax.grad(lambda x, w: jnp.sum(matmul_t_f32(x, w) ** 2), argnums=(0, 1))
+    on_cpu = (str(jax.make_jaxpr(grad)(x, w)), grad(x, w))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.clear_caches()  # the custom backward's trace is cached per process, whose backend never changes
+    on_gpu = (str(jax.make_jaxpr(grad)(x, w)), grad(x, w))
+    jax.clear_caches()
+    assert "optimization_barrier" in on_cpu[0] and "transpose" in on_cpu[0]
+    assert "optimization_barrier" not in on_gpu[0] and "transpose" not in on_gpu[0]
+    assert on_gpu[0].count("dot_general") == 3  # forward, input gradient, weight gradient
+    for a, b in zip(on_cpu[1], on_gpu[1]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
+
+
 def test_dropout_masks_are_independent_across_positions_and_keys():
     import importlib
 

@@ -47,7 +47,11 @@ def _weight_gradient(x_2d, g_2d):
     2-core AMX host: [1552, 512] x [1552, 3072] rows, 25 ms against 7), so the narrower operand is first
     transposed into a row-major copy (cheap: the narrow one) and the product runs as `[narrow, rows] x [rows,
     wide]`, bf16 operands and float32 accumulation as PyTorch's: 2.6-6x faster on TRM's weight gradients, the
-    sums in another order (float rounding). In float32 that copy costs more than it saves."""
+    sums in another order (float rounding). In float32 that copy costs more than it saves. All of this is about
+    XLA:CPU: elsewhere (cuBLAS, TPUs) a product takes either operand transposed, and the copies and barriers
+    would only add memory traffic and keep XLA from fusing, so there it is one product over the rows."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.dot_general(g_2d, x_2d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
     def product(a_2d, b_2d):  # a^T b over the rows
         if a_2d.dtype == jnp.float32:
@@ -61,9 +65,12 @@ def _weight_gradient(x_2d, g_2d):
 
 
 def row_major(a):
-    """`a` as a row-major array. XLA gives a transpose a permuted layout (a relabelling of the same memory) and
-    carries that layout through elementwise ops and barriers; flattened behind a barrier, a transposed array
-    must be written out."""
+    """`a` as a row-major array, on a CPU. XLA gives a transpose a permuted layout (a relabelling of the same
+    memory) and carries that layout through elementwise ops and barriers; flattened behind a barrier, a
+    transposed array must be written out. Only XLA:CPU widens a bfloat16 product of permuted operands to float32
+    (see `_weight_gradient`), so elsewhere `a` stays as it is, free to fuse."""
+    if jax.default_backend() != "cpu":
+        return a
     return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
 
 
