@@ -2,7 +2,8 @@
 `torch.compile`, one JSON and one Markdown report.
 
     eval "$(../shared/originals/setup)"    # optional: REF_PY & co.; the originals run where its torch has CUDA
-    python bench/suite.py [--only trm,gpt,dream] [--batch 8] [--out suite_report] [--tiny] [--skip-originals]
+    python bench/suite.py [--only trm,gpt,dream] [--batch 8] [--out suite_report] [--tiny] [--skip-originals] \
+        [--timeout SECONDS]
 
 - TRM: one ACT call forward + backward at the paper's Sudoku architecture (batch 32), attention and mlp_t, in
   bfloat16 as the paper trains (bench/trm_step.py): FLOPs from XLA's cost analysis.
