@@ -75,8 +75,8 @@ def _fused_attention_on_gpu(q_BSHD, k_BTKD, v_BTKD, causal: bool, scale: float):
         return jax.nn.dot_product_attention(
             q_BSHD, k_BTKD, v_BTKD, scale=scale, is_causal=causal, implementation="cudnn"
         )
-    except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or one without this shape or GPU
-        return None
+    except (NotImplementedError, RuntimeError, ValueError):  # cuDNN missing, too old, or refusing this shape
+        return None  # the caller's XLA ops then compute it
 
 
 def _heads_dot(a, b, contract_a: int, contract_b: int):
