@@ -73,25 +73,38 @@ def test_lr_schedule():
     np.testing.assert_allclose(lrs, e["lr_schedule"], rtol=case["tolerances"]["lr_schedule"]["rtol"], atol=0)
 
 
+def compiled_step_text(trainer) -> str:
+    x = np.load(CASE / "inputs.npz")
+    X, Y = trainer._shard(x["train_x"][0], x["train_y"][0])
+    args = (trainer.params, trainer.opt_state, trainer.loss_scale, X, Y, 1e-3, 0)
+    return trainer._step.lower(*args).compile().as_text()
+
+
 def test_resume_two_iterations_match_nanogpt(resumed):
-    # small products: YNNPACK fusions of one dot each
-    assert resumed[2].compiler_options == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+    """Small products compile as YNNPACK fusions of one dot each, and the LayerNorm, softmax and loss
+    reductions stay plain reductions (XLA:CPU's windowed rewrite of them is slower)."""
+    from jaxport import compile_time
+
+    trainer = resumed[2]
+    assert trainer.compiler_options == {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+        **compile_time.PLAIN_REDUCTIONS,
+    }
+    text = compiled_step_text(trainer)
+    assert "ynn_fusion" in text and "reduce-window" not in text
     assert_matches_nanogpt(resumed)
 
 
 def test_large_step_compiles_without_ynnpack_dots_and_still_matches_nanogpt(tmp_path, monkeypatch):
     """A step with LARGE_MATMUL_ROWS rows or more (GPT's train_shakespeare_char step) compiles its float32 dots
     outside YNNPACK on a CPU, the faster path there; the fixture's rows stand in for a large step here."""
-    from jaxport.nn import linear
+    from jaxport import compile_time
 
-    monkeypatch.setattr(linear, "LARGE_MATMUL_ROWS", 1)
+    monkeypatch.setattr(compile_time, "LARGE_MATMUL_ROWS", 1)
     resumed = resume_two_iterations(tmp_path)
     trainer = resumed[2]
     assert trainer.compiler_options == {"xla_cpu_experimental_ynn_fusion_type": ""}
-    x = np.load(CASE / "inputs.npz")
-    X, Y = trainer._shard(x["train_x"][0], x["train_y"][0])
-    args = (trainer.params, trainer.opt_state, trainer.loss_scale, X, Y, 1e-3, 0)
-    assert "ynn_fusion" not in trainer._step.lower(*args).compile().as_text()
+    assert "ynn_fusion" not in compiled_step_text(trainer)
     assert_matches_nanogpt(resumed)
 
 

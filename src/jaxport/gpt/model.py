@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxport.compile_time import LARGE_MATMUL_ROWS
 from jaxport.errors import JaxportError
 from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
 from jaxport.nn import Linear, add_positions, dot_product_attention, dropout
 from jaxport.nn.chunks import in_row_chunks
-from jaxport.nn.linear import LARGE_MATMUL_ROWS
 
 # Dense bf16 peak FLOP/s per chip, matched against `jax.Device.device_kind` (first match wins).
 PEAK_FLOPS = (

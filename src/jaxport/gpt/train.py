@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
+from jaxport.compile_time import compiler_options
 from jaxport.distributed import fetch_replicated, gather_to_host, make_mesh, replicate, shard_batch, tree_shardings
 from jaxport.dtypes import float_dtype
 from jaxport.errors import JaxportError
@@ -39,7 +40,6 @@ from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
 from jaxport.gpt.data import Batches, load_meta
 from jaxport.gpt.model import GPT, Checkpoint, device_peak_flops, estimate_mfu, load_checkpoint
-from jaxport.nn.linear import matmul_compiler_options
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
 from jaxport.typed_config import validate
 
@@ -268,9 +268,7 @@ class Trainer:
         self.loss_scale = replicate(self.loss_scale, self.mesh)
         state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
         # batch_size is per device (nanoGPT's DDP rule)
-        self.compiler_options = matmul_compiler_options(
-            cfg["batch_size"] * cfg["block_size"], self.dtype, devices[0].platform
-        )
+        self.compiler_options = compiler_options(cfg["batch_size"] * cfg["block_size"], self.dtype, devices[0].platform)
         self._step = _make_train_step(
             self.graphdef,
             self.optimizer,

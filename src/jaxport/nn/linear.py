@@ -4,7 +4,6 @@ Weights are stored in PyTorch's layout (`[out, in]` for linear layers) so that
 checkpoint names and shapes map one-to-one onto the upstream state dicts.
 """
 
-import functools
 import math
 
 import jax
@@ -80,41 +79,6 @@ def row_major_transpose(a):
 
 
 matmul_t_f32.defvjp(_matmul_t_fwd, _matmul_t_bwd)
-
-
-# Rows from which XLA:CPU's other dot path beats its YNNPACK dot fusions on float32 products (jaxlib 0.10.2, on
-# this project's 2-core CPU with a 32 MB L3): [M, 384] x [384, 1536] runs at 205 GFLOP/s through YNNPACK with
-# M = 2048 and at 132-138 with M >= 4096, against 157-209 for the other path, which loses below 2048 rows
-# (183 against 198 at M = 768); Dream's 40M decoding runs 2x slower and the TRM steps no faster without YNNPACK,
-# and bfloat16 dots need it (TRM's bfloat16 step: 7.5 s with, 10.4 s without).
-LARGE_MATMUL_ROWS = 8192
-YNN_FUSION_TYPES = "xla_cpu_experimental_ynn_fusion_type"
-
-
-def matmul_compiler_options(rows: int, dtype, platform: str) -> dict | None:
-    """`jax.jit(..., compiler_options=)` for a program whose matrix products have `rows` rows per device. On a CPU,
-    YNNPACK fusions of one dot each: XLA:CPU's default also folds a reduction that reads a dot's result into the
-    dot's fusion, which runs that product 1.4-1.5x slower ([256, 512] x [512, 32000] then a sum: 101 against
-    70 ms), and Dream's vocabulary projection feeds the sampler's softmax that way (exact decoding, 40M, 64
-    tokens at batch 4: 14.3 -> 9.9 s). Large float32 products (GPT's train_shakespeare_char step, 64 x 256
-    rows) skip YNNPACK altogether: -11% to -30% time. XLA's defaults elsewhere."""
-    if platform != "cpu":
-        return None
-    if jnp.dtype(dtype) == jnp.float32 and rows >= LARGE_MATMUL_ROWS:
-        return {YNN_FUSION_TYPES: ""}
-    return {YNN_FUSION_TYPES: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-
-
-def jit_with_options(function, compiler_options: dict | None, **jit_kwargs):
-    """`jax.jit(function, compiler_options=compiler_options, **jit_kwargs)`, made once per distinct options, for
-    a program whose options depend on what it runs on (see `matmul_compiler_options`)."""
-    frozen = tuple(sorted(compiler_options.items())) if compiler_options else None
-    return _jit_with_options(function, frozen, tuple(sorted(jit_kwargs.items())))
-
-
-@functools.cache
-def _jit_with_options(function, compiler_options, jit_kwargs):
-    return jax.jit(function, compiler_options=dict(compiler_options) if compiler_options else None, **dict(jit_kwargs))
 
 
 class Linear(nnx.Module):

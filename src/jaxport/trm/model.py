@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from jaxport.compile_time import compiler_options, jit_with_options
 from jaxport.errors import JaxportError
 from jaxport.nn import (
     Attention,
@@ -26,7 +27,6 @@ from jaxport.nn import (
     truncated_normal,
 )
 from jaxport.nn.chunks import in_row_chunks
-from jaxport.nn.linear import jit_with_options, matmul_compiler_options
 from jaxport.trm.config import TRMConfig
 from jaxport.trm.losses import act_loss_and_metrics
 
@@ -226,7 +226,7 @@ class TRM(nnx.Module):
 
     def compiler_options(self, inputs_shape: tuple[int, int]) -> dict | None:
         """XLA options for a program that runs this model on a batch of `inputs_shape` ([B, L]) across the devices (see
-        `nn.linear.matmul_compiler_options`): its products have the rows of one chunk of one device's batch, puzzle
+        `compile_time.compiler_options`): its products have the rows of one chunk of one device's batch, puzzle
         positions included. On a CPU, one YNNPACK fusion per product: XLA:CPU's default also pulls a product's
         elementwise producers into its fusion (mlp_t's SwiGLU in bfloat16), where they run slower (2026-11-25, 2-core
         AMX host, paper Sudoku arch, batch 32: bfloat16 steps 4.9 -> 4.3 s attention, 4.8 -> 4.5 mlp_t; float32 mlp_t
@@ -234,7 +234,7 @@ class TRM(nnx.Module):
         batch_size, length = inputs_shape
         per_chunk = batch_size // jax.device_count() // self.chunks_for(batch_size)
         rows = per_chunk * (length + self.config.num_puzzle_positions)
-        return matmul_compiler_options(rows, self.config.forward_dtype, jax.default_backend())
+        return compiler_options(rows, self.config.forward_dtype, jax.default_backend())
 
     @property
     def training(self) -> bool:
