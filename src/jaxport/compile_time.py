@@ -87,7 +87,7 @@ def compiler_options(rows: int, dtype, platform: str) -> dict | None:
     - below LARGE_MATMUL_ROWS rows, reductions stay plain (`PLAIN_REDUCTIONS`: LayerNorm, RMSNorm and softmax rows,
       the loss, Dream's sampler over the vocabulary; nanoGPT README's CPU step 48 -> 44 ms, 884 -> 593 fusions).
       Above, the windowed form wins: the train_shakespeare_char step took 8.55 s with it against 8.96 s without
-      (alternating calls in one process)."""
+      (2026-11-26, alternating calls of both programs in one process on the 2-core AMX host)."""
     if platform != "cpu":
         return None
     if rows >= LARGE_MATMUL_ROWS:

@@ -115,7 +115,7 @@ def top_k_filter(logits: jax.Array, top_k: int) -> jax.Array:
 
 def _max_and_argmax(a_RV: jax.Array):
     """Max and first index of the max over the vocabulary, as two plain reductions: XLA:CPU's fused argmax
-    reduction is about seven times slower (14.4 against 1.9 ms on [256, 32000])."""
+    reduction is about seven times slower (14.4 against 1.9 ms on [256, 32000], 2026-11-26, 2-core AMX host)."""
     top = jnp.max(a_RV, axis=-1)
     index = jax.lax.broadcasted_iota(jnp.int32, a_RV.shape, 1)
     return top, jnp.min(jnp.where(a_RV == top[:, None], index, a_RV.shape[-1]), axis=-1)
