@@ -61,6 +61,27 @@ def test_explicit_4d_mask_and_position_ids(model, expected):
     )
 
 
+def test_hidden_states_at_rows_match_the_full_forward(model, expected):
+    """Exact decoding runs the last layer's queries and MLP at the positions it scores only: the same states, and
+    upstream's logits there, with a padding mask and for rows in any order, repeated, per batch row."""
+    import jax.numpy as jnp
+
+    from jaxport.dream.generate import padding_inputs
+    from jaxport.nn import take_rows
+
+    ids, valid = jnp.asarray(expected["sampler_input_ids"]), expected["valid_positions"]
+    B, N = ids.shape
+    mask, positions = padding_inputs(jnp.asarray(valid, jnp.int32), B, N)
+    full = np.asarray(model.hidden_states(ids, mask, positions))
+    rows = np.stack([np.random.default_rng(b).choice(np.flatnonzero(valid[b]), 5) for b in range(B)])
+    at_rows = np.asarray(model.hidden_states_at(ids, mask, positions)(jnp.asarray(rows)))
+    assert at_rows.shape == (B, 5, model.config.hidden_size)
+    np.testing.assert_allclose(at_rows, np.asarray(take_rows(full, rows)), rtol=1e-5, atol=1e-5)
+    logits = np.asarray(model.head(jnp.asarray(at_rows)))
+    want = np.take_along_axis(expected["logits"], rows[..., None], axis=1)
+    np.testing.assert_allclose(logits, want, **tolerance(SHARDED, "logits"))
+
+
 def test_unpadded_logits(model, expected):
     longest = expected["sampler_input_ids"][:1]
     np.testing.assert_allclose(

@@ -23,6 +23,7 @@ so a caller can stream each finished block (`generate_blocks`).
 """
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import jax
@@ -39,6 +40,7 @@ from jaxport.dream.generate import (
     transfer_ratios,
     unmask,
 )
+from jaxport.nn import take_rows
 
 
 @dataclasses.dataclass
@@ -82,9 +84,13 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, cfg: SamplingConfig):
         return h_BSD[:, :width], cache
 
     def forward(x_BN, cache, step):
+        """(`hidden_at`: block positions -> the hidden states that score them, the cache). Without a cache, as the
+        exact path: the last layer's queries and MLP run at the positions scored only."""
         if cfg.cache is None:
-            return full_forward(x_BN)[0], None
-        return jax.lax.cond(step == 0, lambda: full_forward(x_BN), lambda: cached_forward(x_BN, cache))
+            hidden_at_rows = model.hidden_states_at(x_BN, mask, position_ids)
+            return (lambda index_BW: hidden_at_rows(index_BW + start - 1)), None
+        h_BWD, cache = jax.lax.cond(step == 0, lambda: full_forward(x_BN), lambda: cached_forward(x_BN, cache))
+        return functools.partial(take_rows, h_BWD), cache
 
     def in_block(a_BN):
         return jax.lax.dynamic_slice_in_dim(a_BN, start, width, axis=1)
@@ -95,10 +101,10 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, cfg: SamplingConfig):
     def body(carry):
         step, x_BN, cache, records = carry
         sample_key, select_key = jax.random.split(jax.random.fold_in(key, block * steps + step))
-        h_BWD, cache = forward(x_BN, cache, step)
+        hidden_at, cache = forward(x_BN, cache, step)
         window = in_block(x_BN)
         is_mask = window == mask_id
-        confidence, x0, probability = masked_scores(model, h_BWD, is_mask, sample_key, cfg)
+        confidence, x0, probability = masked_scores(model, hidden_at, is_mask, sample_key, cfg)
         # per row: the same share of the row's remaining masks as the exact path's schedule
         n = jnp.floor(jnp.sum(is_mask, axis=-1, keepdims=True).astype(jnp.float32) * ratios[step]).astype(jnp.int32)
         window, confidence, x0, n_transfer = unmask(

@@ -169,10 +169,11 @@ def bucket_sizes(width: int, buckets: int = 4) -> list[int]:
     return sorted({min(width, unit * k) for k in range(1, buckets + 1)})
 
 
-def masked_scores(model, h_BWD, is_mask_BW, key, cfg: SamplingConfig):
+def masked_scores(model, hidden_at, is_mask_BW, key, cfg: SamplingConfig):
     """`sample_tokens` at every mask position of the window, computing the vocabulary projection and
     the sampler only there: the masks are packed to the front into the smallest static bucket that
-    holds every row's count (`lax.switch`), then scattered back."""
+    holds every row's count (`lax.switch`), then scattered back. `hidden_at(index_BS)` gives the final
+    hidden states `[B, S, D]` that score the window positions `index_BS`, computed there too if it can."""
     B, W = is_mask_BW.shape
     sizes = bucket_sizes(W)
     most = jnp.max(jnp.sum(is_mask_BW, axis=-1))
@@ -183,7 +184,7 @@ def masked_scores(model, h_BWD, is_mask_BW, key, cfg: SamplingConfig):
     def packed(size):
         def run(_):
             index_BS = order_BW[:, :size]
-            logits = model.head(jnp.take_along_axis(h_BWD, index_BS[..., None], axis=1))
+            logits = model.head(hidden_at(index_BS))
             confidence, x0, probability = sample_tokens(logits, key, cfg)
             return (
                 jnp.full((B, W), -jnp.inf, confidence.dtype).at[rows, index_BS].set(confidence),
@@ -250,19 +251,23 @@ def _generate(graphdef, state, x_BN, attention_mask_BN, key, cfg: SamplingConfig
 
     def body(step, carry):
         x_BN, records = carry
-        h_BND = model.hidden_states(x_BN, mask, position_ids)
-        # Position j is predicted from the hidden state at j - 1 (position 0 from itself).
-        h_BWD = jnp.concatenate([h_BND[:, :1], h_BND[:, :-1]], axis=1)[:, cfg.first :]
+        hidden_at_rows = model.hidden_states_at(x_BN, mask, position_ids)
+
+        def hidden_at(
+            index_BW,
+        ):  # window position j is predicted from the hidden state at first + j - 1 (0 from itself)
+            return hidden_at_rows(jnp.maximum(index_BW + cfg.first - 1, 0))
+
         sample_key, select_key = jax.random.split(jax.random.fold_in(key, step))
         logits = None
         if hooks:
-            logits = model.head(h_BWD)
+            logits = model.head(hidden_at(jnp.broadcast_to(jnp.arange(N - cfg.first), (B, N - cfg.first))))
             if cfg.logits_hook is not None:
                 logits = cfg.logits_hook(step, x_BN, logits)
             confidence, x0, probability = sample_tokens(logits, sample_key, cfg)
         else:
             confidence, x0, probability = masked_scores(
-                model, h_BWD, x_BN[:, cfg.first :] == cfg.mask_token_id, sample_key, cfg
+                model, hidden_at, x_BN[:, cfg.first :] == cfg.mask_token_id, sample_key, cfg
             )
         # The count is shared by the batch: masks per row on average, truncated as int() does.
         num_mask = jnp.sum(x_BN == cfg.mask_token_id).astype(jnp.float32) / jnp.float32(B)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxport.distributed.mesh import logical_sharding
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.generate import diffusion_generate, padding_inputs
-from jaxport.nn import Attention, Embedding, Linear, RMSNorm, SwiGLU, rotary_cos_sin
+from jaxport.nn import Attention, Embedding, Linear, RMSNorm, SwiGLU, rotary_cos_sin, take_rows
 
 
 class DecoderLayer(nnx.Module):
@@ -36,12 +36,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, fused=False, rngs=rngs)
 
-    def __call__(self, x_BSD, cos_sin, mask, kv_cache=None, cache_index=0):
-        """`(output, (k, v))`; see `Attention.attend` for the cache."""
+    def __call__(self, x_BSD, cos_sin, mask, kv_cache=None, cache_index=0, rows=None):
+        """`(output, (k, v))`; see `Attention.attend` for the cache. With `rows` (`[B, Q]`), the output of those
+        rows only, `[B, Q, D]`: every row is a key, but a row's output depends on no other row's query."""
         attended, kv = self.self_attn.attend(
-            self.input_layernorm(x_BSD), cos_sin, mask, kv_cache=kv_cache, cache_index=cache_index
+            self.input_layernorm(x_BSD), cos_sin, mask, kv_cache=kv_cache, cache_index=cache_index, query_rows=rows
         )
-        x_BSD = x_BSD + attended
+        x_BSD = (x_BSD if rows is None else take_rows(x_BSD, rows)) + attended
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD)), kv
 
 
@@ -82,14 +83,28 @@ class DreamModel(nnx.Module):
         h_BSD, _, kv_cache = self._decode(input_ids_BS, mask, position_ids_BS, kv_cache, cache_index)
         return h_BSD, kv_cache
 
-    def _decode(self, input_ids_BS, mask, position_ids_BS, kv_cache=None, cache_index=0):
+    def hidden_states_at(self, input_ids_BN, mask=None, position_ids_BN=None):
+        """`rows_BQ -> [B, Q, D]`: the final hidden states of `hidden_states(...)` at the rows `rows_BQ`, for a caller
+        that needs a few of them (exact decoding scores only its masked positions). Every layer but the last runs
+        here, once, on all rows; the last layer's queries, attention output and MLP and the final norm run on the
+        rows asked only, since no other row's output depends on them (its keys and values come from every row)."""
+        x_BND, cos_sin = self._embed(input_ids_BN, position_ids_BN)
+        *layers, last = self.layers
+        for layer in layers:
+            x_BND, _ = layer(x_BND, cos_sin, mask)
+        return lambda rows_BQ: self.norm(last(x_BND, cos_sin, mask, rows=rows_BQ)[0])
+
+    def _embed(self, input_ids_BS, position_ids_BS):
+        """The token embeddings and the rotary tables of their positions (`0..S-1` without `position_ids_BS`)."""
         B, S = input_ids_BS.shape
         if position_ids_BS is None:
             position_ids_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         # Upstream computes cos/sin in float32 and casts them to the activation dtype.
         cos, sin = rotary_cos_sin(self.config.head_dim, position_ids_BS, self.config.rope_theta)
-        cos_sin = (cos.astype(self.dtype), sin.astype(self.dtype))
-        x_BSD = self.embed_tokens(input_ids_BS)
+        return self.embed_tokens(input_ids_BS), (cos.astype(self.dtype), sin.astype(self.dtype))
+
+    def _decode(self, input_ids_BS, mask, position_ids_BS, kv_cache=None, cache_index=0):
+        x_BSD, cos_sin = self._embed(input_ids_BS, position_ids_BS)
         states, new_cache = [x_BSD], []
         for i, layer in enumerate(self.layers):
             x_BSD, kv = layer(x_BSD, cos_sin, mask, None if kv_cache is None else kv_cache[i], cache_index)

@@ -1,6 +1,6 @@
 """Layers shared by the model families."""
 
-from jaxport.nn.attention import Attention, dot_product_attention
+from jaxport.nn.attention import Attention, dot_product_attention, take_rows
 from jaxport.nn.dropout import dropout
 from jaxport.nn.initializers import truncated_normal
 from jaxport.nn.linear import Embedding, Linear, add_positions
@@ -11,6 +11,7 @@ from jaxport.nn.rotary import apply_rotary, rotary_cos_sin, rotate_half
 __all__ = [
     "Attention",
     "dot_product_attention",
+    "take_rows",
     "dropout",
     "truncated_normal",
     "Embedding",

@@ -166,6 +166,16 @@ def _causal_attention_in_blocks(q_BSHD, k_BSHD, v_BSHD, scale, dropout_rate, dro
     return jnp.concatenate(outputs, axis=1)
 
 
+def take_rows(a_BS: jax.Array, rows_BQ: jax.Array) -> jax.Array:
+    """`a[b, rows[b, q]]`: for each batch row `b`, the rows `rows_BQ[b]` of `a: [B, S, ...]`, as `[B, Q, ...]`."""
+    return jnp.take_along_axis(a_BS, rows_BQ.reshape(rows_BQ.shape + (1,) * (a_BS.ndim - 2)), axis=1)
+
+
+def _table_rows(table, rows_BQ):
+    """The rows `rows_BQ` of a rotary table, `[S, D]` (shared by the batch) or `[B, S, D]`."""
+    return table[rows_BQ] if table.ndim == 2 else take_rows(table, rows_BQ)
+
+
 class Attention(nnx.Module):
     """Self-attention with either a fused `qkv_proj` (TRM) or separate `q_proj/k_proj/v_proj` (Qwen2/Dream).
 
@@ -200,13 +210,16 @@ class Attention(nnx.Module):
             self.v_proj = Linear(hidden_size, kv_out, bias=qkv_bias, rngs=rngs)
         self.o_proj = Linear(q_out, hidden_size, bias=out_bias, rngs=rngs)
 
-    def project_qkv(self, x_BSD: jax.Array):
+    def project_qkv(self, x_BSD: jax.Array, query_rows_BQ: jax.Array | None = None):
+        """Queries of the rows `query_rows_BQ` of `x` (of every row without them), keys and values of every row."""
         B, S, _ = x_BSD.shape
         if self.fused_qkv:
             qkv = self.qkv_proj(x_BSD).reshape(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            return jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+            q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+            return (q if query_rows_BQ is None else take_rows(q, query_rows_BQ)), k, v
+        x_BQD = x_BSD if query_rows_BQ is None else take_rows(x_BSD, query_rows_BQ)
         return (
-            self.q_proj(x_BSD).reshape(B, S, self.num_heads, self.head_dim),
+            self.q_proj(x_BQD).reshape(B, x_BQD.shape[1], self.num_heads, self.head_dim),
             self.k_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim),
             self.v_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim),
         )
@@ -222,24 +235,36 @@ class Attention(nnx.Module):
         *,
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
         cache_index=0,
+        query_rows: jax.Array | None = None,
     ):
         """`(output, (k_BTKD, v_BTKD))`: the output and the (rotated) keys/values attended over.
 
         With `kv_cache = (k, v)` of a longer sequence `[B, T, K, D]`, the `S` rows of `x` are its
         positions `cache_index .. cache_index + S - 1`: their fresh keys/values replace the cached
         ones there and the queries attend over all `T` positions (`mask` then covers `[.., S, T]`).
+        With `query_rows` (`[B, Q]` indices into the rows of `x`), only those rows query and get an
+        output, `[B, Q, D]`, over the keys and values of every row (`mask` covers all `S` rows).
         Bidirectional attention only: a causal band would assume the rows are the last `S` positions.
         """
-        B, S, _ = x_BSD.shape
-        q, k, v = self.project_qkv(x_BSD)
+        if self.causal and (kv_cache is not None or query_rows is not None):
+            raise ValueError("a KV cache or query rows need bidirectional attention (causal=False)")
+        if kv_cache is not None and query_rows is not None:
+            raise ValueError("give a KV cache or query rows, not both")
+        B = x_BSD.shape[0]
+        q, k, v = self.project_qkv(x_BSD, query_rows)
         if cos_sin is not None:
-            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            q_cos_sin = cos_sin if query_rows is None else [_table_rows(t, query_rows) for t in cos_sin]
+            q, k = apply_rotary(q, *q_cos_sin), apply_rotary(k, *cos_sin)
+        if query_rows is not None and mask is not None and mask.ndim > 2:  # the queries' rows of the mask
+            mask = (
+                take_rows(mask, query_rows)
+                if mask.ndim == 3
+                else take_rows(mask.swapaxes(1, 2), query_rows).swapaxes(1, 2)
+            )
         if kv_cache is not None:
-            if self.causal:
-                raise NotImplementedError("a KV cache with causal attention")
             k, v = (
                 jax.lax.dynamic_update_slice_in_dim(cached, new.astype(cached.dtype), cache_index, axis=1)
                 for cached, new in zip(kv_cache, (k, v))
             )
         out = dot_product_attention(q, k, v, causal=self.causal, mask=mask)
-        return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), (k, v)
+        return self.o_proj(out.reshape(B, q.shape[1], self.num_heads * self.head_dim)), (k, v)
