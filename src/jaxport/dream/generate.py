@@ -253,9 +253,8 @@ def _generate(graphdef, state, x_BN, attention_mask_BN, key, cfg: SamplingConfig
         x_BN, records = carry
         hidden_at_rows = model.hidden_states_at(x_BN, mask, position_ids)
 
-        def hidden_at(
-            index_BW,
-        ):  # window position j is predicted from the hidden state at first + j - 1 (0 from itself)
+        # Window position j is predicted from the hidden state at canvas position first + j - 1 (0 from itself).
+        def hidden_at(index_BW):
             return hidden_at_rows(jnp.maximum(index_BW + cfg.first - 1, 0))
 
         sample_key, select_key = jax.random.split(jax.random.fold_in(key, step))
