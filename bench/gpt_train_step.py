@@ -98,9 +98,7 @@ def bench(name: str, dropout: float | None, iters: int, warmup: int, peaks: dict
         compile_s += seconds
     step_s = statistics.median(times[warmup:])
     # after the timed calls: where only the compiled program has a count (a GPU), the compilation is the step's own
-    Xd, Yd = trainer._shard(X, Y)
-    args = (trainer.params, trainer.opt_state, trainer.loss_scale, Xd, Yd, np.float32(1e-3), np.int32(0))
-    flops = compiled_flops(trainer._step.lower(*args))
+    flops = compiled_flops(trainer._step.lower(*trainer.step_args(X, Y, 1e-3)))
     dtype, rows = jnp.dtype(trainer.dtype).name, cfg["batch_size"]
     mfu = estimate_mfu(trainer.model.get_num_params(), trainer.model_config, rows, step_s, peak_flops(dtype, peaks)[0])
     return {

@@ -181,10 +181,9 @@ def gpt_step(args):
     }
     trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
     X = np.random.default_rng(0).integers(0, vocab, (1, cfg["batch_size"], cfg["block_size"]))
-    Xd, Yd = trainer._shard(X, X)
     step = trainer._step.__wrapped__ if hasattr(trainer._step, "__wrapped__") else trainer._step
     step.compiler_options = trainer.compiler_options  # the options jaxport compiles this step with
-    return step, (trainer.params, trainer.opt_state, trainer.loss_scale, Xd, Yd, np.float32(1e-3), np.int32(0))
+    return step, trainer.step_args(X, X, 1e-3)
 
 
 def dream(args):

@@ -75,8 +75,7 @@ def test_lr_schedule():
 
 def compiled_step_text(trainer) -> str:
     x = np.load(CASE / "inputs.npz")
-    X, Y = trainer._shard(x["train_x"][0], x["train_y"][0])
-    args = (trainer.params, trainer.opt_state, trainer.loss_scale, X, Y, 1e-3, 0)
+    args = trainer.step_args(x["train_x"][0], x["train_y"][0], 1e-3)
     return trainer._step.lower(*args).compile().as_text()
 
 

@@ -3,6 +3,7 @@
 import ctypes
 import os
 import sys
+import weakref
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
@@ -40,6 +41,7 @@ def _libc():
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -3, -4, -8
 TRIM_THRESHOLD = 1 << 30
 _tuned = False  # keep_freed_memory ran in this process
+_sized = weakref.WeakSet()  # the jitted functions reuse_memory_before_first_call has seen
 
 
 def keep_freed_memory() -> None:
@@ -60,6 +62,15 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
     libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     libc.mallopt(M_TOP_PAD, 64 << 20)
+
+
+def reuse_memory_before_first_call(jitted, *args) -> None:
+    """Before `jitted(*args)` first runs in this process, compile it ahead and size the host-memory policy on
+    its temporaries (`reuse_memory_for`); later calls return at once. For a training loop's step: XLA keeps the
+    compiled program, so the call that follows does not compile again."""
+    if jitted not in _sized:
+        reuse_memory_for(jitted.lower(*args).compile())
+        _sized.add(jitted)
 
 
 def reuse_memory_for(compiled) -> None:

@@ -24,6 +24,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxport import malloc
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.distributed import fetch_replicated, make_mesh, shard_batch
 from jaxport.dream import tasks
@@ -367,8 +368,9 @@ def train(preset: str | None = None, **options) -> dict:
         for step in range(first + 1, cfg.steps + 1):
             index = batches.next().reshape(cfg.grad_accum, cfg.batch_size)
             index = index[:, process * local_rows : (process + 1) * local_rows]
-            batch = shard_batch(rows.take(index), mesh, batch_dim=-2)
-            state, metrics = train_step(state, batch, jax.random.fold_in(base_key, step))
+            args = (state, shard_batch(rows.take(index), mesh, batch_dim=-2), jax.random.fold_in(base_key, step))
+            malloc.reuse_memory_before_first_call(train_step, *args)
+            state, metrics = train_step(*args)
             loss = float(fetch_replicated(metrics["loss"]))
             run.check_finite(step, loss)
             if step % cfg.log_every == 0 or step == cfg.steps:

@@ -30,6 +30,7 @@ import pydantic
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxport import malloc
 from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.compile_time import compiler_options
@@ -314,11 +315,14 @@ class Trainer:
         """One iteration on micro-batches X, Y [accum, B, T] with the dropout key of iteration `draw`: returns
         (micro losses, grad norm) as device arrays (reading them waits for the step). The arguments go in as
         numpy values: an eager `jnp` conversion or key would wait for the step before it."""
-        X, Y = self._shard(X, Y)
-        self.params, self.opt_state, self.loss_scale, losses, norm = self._step(
-            self.params, self.opt_state, self.loss_scale, X, Y, np.float32(lr), np.int32(draw)
-        )
+        args = self.step_args(X, Y, lr, draw)
+        malloc.reuse_memory_before_first_call(self._step, *args)
+        self.params, self.opt_state, self.loss_scale, losses, norm = self._step(*args)
         return losses, norm
+
+    def step_args(self, X, Y, lr: float, draw: int = 0) -> tuple:
+        """The compiled step's arguments for `step(X, Y, lr, draw)`."""
+        return (self.params, self.opt_state, self.loss_scale, *self._shard(X, Y), np.float32(lr), np.int32(draw))
 
     def eval_losses(self, X, Y):
         """The losses of batches X, Y [n, B, T] (device array, one per batch)."""

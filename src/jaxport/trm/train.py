@@ -114,7 +114,6 @@ class Trainer:
             donate_argnums=0,
             compiler_options=self.model.compiler_options((self.gbs, self.model_config.seq_len)),
         )
-        self.step_compiled = False
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
         self.iteration = 0
@@ -226,9 +225,7 @@ class Trainer:
         puzzle_lr = compute_lr(config.puzzle_emb_lr, **lr_args)
         # numpy scalars: jnp.float32(lr) runs a conversion that waits for the step before it, as a key made here did
         args = (self.state, shard_batch(batch, self.mesh), np.float32(lr), np.float32(puzzle_lr))
-        if not self.step_compiled:  # compile ahead of the first call to size the host-memory policy
-            malloc.reuse_memory_for(self._train_step.lower(*args).compile())
-            self.step_compiled = True
+        malloc.reuse_memory_before_first_call(self._train_step, *args)
         self.state, outputs = self._train_step(*args)
         self.step = step
         self.pending.append((step, lr, outputs))
