@@ -76,7 +76,7 @@ print(json.dumps({"temp": temp, "faults": (resource.getrusage(resource.RUSAGE_SE
 
 def test_gpt_training_steps_reuse_their_temporaries():
     """Before the trainer sized the policy on its first step, each README-config step mapped its temporaries
-    afresh: 50 -> 42 ms per iteration, and a tenth of the iterations 60-250 ms instead of one in a hundred."""
+    afresh and faulted them in (docs/performance.md, "Host memory for GPT's and Dream's training steps")."""
     out = subprocess.run([sys.executable, "-c", GPT_STEP_FAULTS], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["temp"] > 32 << 20  # above glibc's largest mmap threshold
