@@ -35,6 +35,7 @@ from jaxport.dream.generate import diffusion_generate
 from jaxport.dream.params import abstract_model, load_model, parse_mesh, random_model, resolve_dtype, save_pretrained
 from jaxport.dream.tokenizer import DreamTokenizer, copy_tokenizer_files, special_token_ids, train_tokenizer
 from jaxport.errors import JaxportError
+from jaxport.nn import softmax_cross_entropy
 from jaxport.training.run import Run, run_checkpoints
 
 
@@ -157,7 +158,7 @@ def masked_diffusion_loss(logits_BLV, target_BL, masked_BL, response_BL, t_B):
     pretraining rows every token is a response token.
     """
     shifted_BLV = jnp.concatenate([logits_BLV[:, :1], logits_BLV[:, :-1]], axis=1).astype(jnp.float32)
-    ce_BL = optax.softmax_cross_entropy_with_integer_labels(shifted_BLV, target_BL)
+    ce_BL = softmax_cross_entropy(shifted_BLV, target_BL)
     per_sequence_B = jnp.sum(jnp.where(masked_BL, ce_BL, 0.0), axis=1) / t_B
     return jnp.mean(per_sequence_B / jnp.maximum(jnp.sum(response_BL, axis=1), 1))
 

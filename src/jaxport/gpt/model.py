@@ -24,7 +24,7 @@ from jaxport.compile_time import LARGE_MATMUL_ROWS
 from jaxport.errors import JaxportError
 from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
-from jaxport.nn import Linear, add_positions, dot_product_attention, dropout
+from jaxport.nn import Linear, add_positions, dot_product_attention, dropout, label_entries
 from jaxport.nn.chunks import in_row_chunks
 
 # Dense bf16 peak FLOP/s per chip, matched against `jax.Device.device_kind` (first match wins).
@@ -137,7 +137,7 @@ def cross_entropy(logits_BTV, targets_BT):
     """Mean next-token cross-entropy over targets != -1 (nanoGPT's ignore_index=-1)."""
     valid = targets_BT != -1
     logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, jnp.where(valid, targets_BT, 0)[..., None], axis=-1)[..., 0]
+    nll = -label_entries(logp, jnp.where(valid, targets_BT, 0))
     return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.sum(valid)
 
 

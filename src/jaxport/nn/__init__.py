@@ -4,6 +4,7 @@ from jaxport.nn.attention import Attention, dot_product_attention, take_rows
 from jaxport.nn.dropout import dropout
 from jaxport.nn.initializers import truncated_normal
 from jaxport.nn.linear import Embedding, Linear, add_positions
+from jaxport.nn.losses import label_entries, softmax_cross_entropy
 from jaxport.nn.mlp import SwiGLU, find_multiple, swiglu_intermediate_size
 from jaxport.nn.norm import RMSNorm, rms_norm
 from jaxport.nn.rotary import apply_rotary, rotary_cos_sin, rotate_half
@@ -17,6 +18,8 @@ __all__ = [
     "Embedding",
     "Linear",
     "add_positions",
+    "label_entries",
+    "softmax_cross_entropy",
     "SwiGLU",
     "find_multiple",
     "swiglu_intermediate_size",

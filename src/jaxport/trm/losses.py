@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxport import nn
+
 IGNORE_LABEL_ID = -100
 
 
@@ -19,14 +21,12 @@ def log_stablemax(x: jax.Array, axis: int = -1) -> jax.Array:
 def stablemax_cross_entropy(logits, labels, valid_mask):
     # Upstream runs this in float64; float32 stays within the recorded tolerances.
     logprobs = log_stablemax(logits.astype(jnp.float32))
-    picked = jnp.take_along_axis(logprobs, jnp.where(valid_mask, labels, 0)[..., None], axis=-1)[..., 0]
+    picked = nn.label_entries(logprobs, jnp.where(valid_mask, labels, 0))
     return -jnp.where(valid_mask, picked, 0)
 
 
 def softmax_cross_entropy(logits, labels, valid_mask):
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), jnp.where(valid_mask, labels, 0)
-    )
+    losses = nn.softmax_cross_entropy(logits.astype(jnp.float32), jnp.where(valid_mask, labels, 0))
     return jnp.where(valid_mask, losses, 0)
 
 
