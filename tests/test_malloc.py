@@ -90,3 +90,28 @@ def test_gpt_training_steps_reuse_their_temporaries():
     result = run_with_median_faults(GPT_STEP_FAULTS)
     assert result["temp"] > 32 << 20  # above glibc's largest mmap threshold
     assert result["faults"] < 0.1 * result["temp"] / 4096
+
+
+ARENAS = """
+import ctypes, tempfile
+import jax.numpy as jnp
+
+x = jnp.ones((256, 256))
+jax.block_until_ready(jax.jit(lambda x: jnp.einsum("ij,kj->ik", x, x @ x.T))(x))
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+with tempfile.NamedTemporaryFile(suffix=".xml") as report:
+    stream = ctypes.c_void_p(libc.fopen(report.name.encode(), b"w"))
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    arenas = open(report.name).read().count("<heap nr=")
+print(json.dumps({"async_dispatch": jax.config.read("jax_cpu_enable_async_dispatch"), "arenas": arenas}))
+"""
+
+
+def test_steps_run_on_the_calling_thread_and_xla_s_workers_keep_arenas_of_their_own():
+    """One arena for every thread made the workers' many small allocations (oneDNN's matmul workspace) queue on
+    one lock: the README-config GPT step took 38 ms against 32 (docs/performance.md, "Malloc arenas")."""
+    result = run_with_median_faults(ARENAS)
+    assert result["async_dispatch"] is False  # the step's temporaries come from the main thread's arena
+    assert result["arenas"] > 1

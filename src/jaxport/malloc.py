@@ -38,7 +38,7 @@ def _libc():
         return None
 
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -3, -4, -8
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
 TRIM_THRESHOLD = 1 << 30
 _tuned = False  # keep_freed_memory ran in this process
 _sized = weakref.WeakSet()  # the jitted functions reuse_memory_before_first_call has seen
@@ -48,15 +48,23 @@ def keep_freed_memory() -> None:
     """Make glibc keep freed memory in the heap instead of returning it to the OS. XLA:CPU
     frees and reallocates its large temporaries every step, and the page faults of fresh
     mmaps cost up to half the step time of a small GPT (measured ~1.5-2x on the README
-    CPU config). One arena, so that `reuse_memory_for` can keep blocks allocated by XLA's
-    worker threads in the heap too (a thread's own arena maps any block over 64 MB afresh).
-    A no-op off Linux/glibc."""
+    CPU config). A no-op off Linux/glibc.
+
+    The step's temporaries are one block, allocated by the thread that runs the program. A
+    thread's own arena maps any block over 64 MB afresh, so one-device programs run on the
+    calling (main) thread, whose arena is the heap (JAX's `jax_cpu_enable_async_dispatch`
+    off: the call returns when the step is done). XLA's worker threads keep arenas of their
+    own: their many small allocations (oneDNN's 74 KB matmul workspace, ~450 per README-config
+    GPT step) then take no shared lock. One arena for every thread, as here until 2026-11-26,
+    made that step 38 ms against 32 and the TRM demo loop's 103 against 93 ms per step."""
     global _tuned
     libc = _libc()
     if libc is None:
         return
     _tuned = True
-    libc.mallopt(M_ARENA_MAX, 1)
+    import jax  # here, not at the top: `restart_with_huge_pages` runs before anything is imported
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     # blocks up to glibc's largest mmap threshold come from the heap, which is never trimmed;
     # bigger ones stay mmap'ed unless `reuse_memory_for` says otherwise
     libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
@@ -79,8 +87,8 @@ def reuse_memory_for(compiled) -> None:
     otherwise map and fault in afresh each step (40 000 page faults and 140 -> 104 ms for the
     demo-size TRM step, 153 MB). Larger steps keep mmap: the heap would double their resident
     memory (a 4.8 GB GPT step: 5.8 -> 10.5 GB) and trim them anyway. Only in a process that
-    `keep_freed_memory` tuned (the jaxport command, the benchmarks), whose single arena lets worker
-    threads' blocks come from the heap."""
+    `keep_freed_memory` tuned (the jaxport command, the benchmarks), whose steps allocate on the
+    main thread and so from the heap."""
     libc = _libc()
     memory = compiled.memory_analysis()
     if _tuned and libc is not None and memory is not None and memory.temp_size_in_bytes <= TRIM_THRESHOLD:

@@ -633,7 +633,7 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             break
         micro_losses, norm = trainer.step(X, Y, lr, iter_num)
         unchecked.append((iter_num, micro_losses, norm))
-        X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs
+        X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs (an accelerator's)
         steps_timed += 1
         if iter_num % cfg["log_interval"] == 0:
             check_losses()
