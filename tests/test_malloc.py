@@ -111,7 +111,7 @@ print(json.dumps({"async_dispatch": jax.config.read("jax_cpu_enable_async_dispat
 
 def test_steps_run_on_the_calling_thread_and_xla_s_workers_keep_arenas_of_their_own():
     """One arena for every thread made the workers' many small allocations (oneDNN's matmul workspace) queue on
-    one lock: the README-config GPT step took 38 ms against 32 (docs/performance.md, "Malloc arenas")."""
+    one lock (docs/performance.md, "Malloc arenas")."""
     result = run_with_median_faults(ARENAS)
     assert result["async_dispatch"] is False  # the step's temporaries come from the main thread's arena
     assert result["arenas"] > 1

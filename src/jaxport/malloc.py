@@ -55,8 +55,8 @@ def keep_freed_memory() -> None:
     calling (main) thread, whose arena is the heap (JAX's `jax_cpu_enable_async_dispatch`
     off: the call returns when the step is done). XLA's worker threads keep arenas of their
     own: their many small allocations (oneDNN's 74 KB matmul workspace, ~450 per README-config
-    GPT step) then take no shared lock. One arena for every thread, as here until 2026-11-26,
-    made that step 38 ms against 32 and the TRM demo loop's 103 against 93 ms per step."""
+    GPT step) then take no shared lock; one arena for every thread, as here until 2026-11-26,
+    queued them (docs/performance.md, "Malloc arenas", has the measurements)."""
     global _tuned
     libc = _libc()
     if libc is None:

@@ -10,9 +10,9 @@ def label_entries(x_NV: jax.Array, labels_N: jax.Array) -> jax.Array:
 
     The forward is the gather `take_along_axis` does; the gradient is a select against the labels, the same
     values as the gather's own gradient, which is a scatter into a zero array of x's shape: on a GPU a pass
-    that writes the whole float32 `[batch, time, vocab]` array (GPT-2 at batch 8 × 1024: 1.6 GB, 0.5 ms of a
-    23 ms step on an H200, 2026-11-26) and another that reads it back, where the select fuses into the
-    softmax's backward."""
+    that writes the whole float32 `[batch, time, vocab]` array (GPT-2 at batch 8 × 1024: 1.6 GB) and another
+    that reads it back, where the select fuses into the softmax's backward (docs/performance.md, "On an
+    accelerator")."""
     return jnp.take_along_axis(x_NV, labels_N[..., None], axis=-1)[..., 0]
 
 
