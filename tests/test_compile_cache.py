@@ -72,3 +72,25 @@ def test_jax_s_own_setting_turns_the_cache_off(tmp_path):
     _jaxport(["gpt", "prepare", "shakespeare_char", "--input", text], cwd, cache_home, **off)
     _jaxport(TINY_RUN, cwd, cache_home, **off)
     assert not (cache_home / "jaxport").exists()
+
+
+def test_a_cache_folder_named_by_jax_s_setting_keeps_the_smaller_programs_too(tmp_path):
+    """`JAX_COMPILATION_CACHE_DIR` picks the folder; the programs kept are still those compiling in 0.2 s or more
+    (JAX's own 1 s left out e.g. the README run's evaluation, 0.7 s, which then compiled again every run)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    probe = (
+        "import jax; from jaxport.compile_time import keep_compiled_programs, CACHE_MIN_COMPILE_SECONDS as m; "
+        "folder = keep_compiled_programs(); "
+        "print(folder, jax.config.jax_persistent_cache_min_compile_time_secs == m, "
+        "jax.config.jax_compilation_cache_dir)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**clean, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "mine"), "XDG_CACHE_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(tmp_path / "mine"), "True", str(tmp_path / "mine")]
+    assert not (tmp_path / "home").exists()
