@@ -111,3 +111,24 @@ def test_trm_steps_where_no_row_halted_log_null(tmp_path):
         else:  # every row halted: averages over the 16 rows
             assert row["train/count"] == 1 and row["train/steps"] == 4, row
             assert all(isinstance(row[k], float) for k in halted_row_metrics), row
+
+
+def test_a_run_imports_what_its_end_needs_on_a_thread_once(tmp_path):
+    """`Run.import_ahead`: matplotlib's pyplot (the learning curves at close) and the modules named, loaded on one
+    background thread, started once however often a loop calls it; a module that does not exist is left to fail
+    where it is used."""
+    probe = f"""
+import sys, threading
+from jaxport.training.run import Run
+assert "matplotlib.pyplot" not in sys.modules and "colorsys" not in sys.modules
+run = Run({str(tmp_path / "run")!r}, total_steps=1)
+run.import_ahead("colorsys", "no_such_module_here")
+first = run._import_thread
+run.import_ahead("wave")
+first.join(60)
+print(first is run._import_thread, first.daemon, "matplotlib.pyplot" in sys.modules, "colorsys" in sys.modules,
+      "wave" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True", "True", "False"]

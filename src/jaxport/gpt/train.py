@@ -611,6 +611,7 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
                 f"{out_dir / CHECKPOINT_SUBDIR}); `pip install 'jaxport[torch]'` and `jaxport gpt export` write it"
             )
 
+    later_imports = ["torch"] if jax.process_count() == 1 and torch_available() else []  # for ckpt.pt
     X, Y = batches.get("train", (accum,), draw=iter_num)
     t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
     interval = cfg["checkpoint_interval"]
@@ -632,6 +633,7 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
         if iter_num == 0 and cfg["eval_only"]:
             break
         micro_losses, norm = trainer.step(X, Y, lr, iter_num)
+        run.import_ahead(*later_imports)  # the step has compiled: load what the saves and the end import
         unchecked.append((iter_num, micro_losses, norm))
         X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs (an accelerator's)
         steps_timed += 1

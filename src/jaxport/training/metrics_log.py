@@ -126,15 +126,21 @@ def _smooth(ys: list[float]) -> list[float]:
     return [(cumsum[i + 1] - cumsum[max(0, i + 1 - window)]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(ys))]
 
 
-def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 4) -> Path | None:
-    """One panel per metric family (losses, accuracies, ...) against the step."""
-    if not jsonl.exists():
-        return None
+def pyplot():
+    """matplotlib.pyplot drawing to files (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_learning_curves(jsonl: Path, png: Path, max_panels: int = 4) -> Path | None:
+    """One panel per metric family (losses, accuracies, ...) against the step."""
+    if not jsonl.exists():
+        return None
+    plt = pyplot()
     series: dict[str, tuple[list, list]] = {}
     for line in jsonl.read_text().splitlines():
         row = json.loads(line)
