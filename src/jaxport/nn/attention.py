@@ -114,17 +114,27 @@ def _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale):
     return out_BHSD, (q_BHSD, k_BHTD, v_BHTD, exps_BHST / sums_BHS1)
 
 
+def _heads_dot_over_rows(a_BHSX, b_BHSY):
+    """`aᵀ b` per head, `[B, H, X, Y]`, summed over the rows `S`. Float32 contracts over the rows in place; a
+    reduced-precision `a` is first written out transposed and row-major (`row_major_transpose`), which keeps
+    the product in that precision on XLA:CPU. In float32 that copy only cost: the TRM paper-size attention's
+    forward and backward, [16, 8, 97, 64], 12.5 -> 8.9 ms without it, the same bits."""
+    if a_BHSX.dtype == jnp.float32:
+        return _heads_dot(a_BHSX, b_BHSY, 2, 2)
+    return _heads_dot(row_major_transpose(a_BHSX), b_BHSY, 3, 2)
+
+
 def _full_attention_bwd(scale, residuals, dout_BHSD):
     q_BHSD, k_BHTD, v_BHTD, probs_BHST = residuals
     dtype = v_BHTD.dtype
     dout_BHSD = _row_major_unless_f32(dout_BHSD)  # the cotangent of a heads-first transpose
-    dv = _heads_dot(row_major_transpose(probs_BHST.astype(dtype)), dout_BHSD, 3, 2).astype(dtype)
+    dv = _heads_dot_over_rows(probs_BHST.astype(dtype), dout_BHSD).astype(dtype)
     dprobs_BHST = _heads_dot(dout_BHSD, v_BHTD, 3, 3)
     dscores_BHST = (
         probs_BHST * (dprobs_BHST - jnp.sum(dprobs_BHST * probs_BHST, axis=-1, keepdims=True)) * scale
     ).astype(dtype)
     dq = _heads_dot(dscores_BHST, k_BHTD, 3, 2).astype(q_BHSD.dtype)
-    dk = _heads_dot(row_major_transpose(dscores_BHST), q_BHSD, 3, 2).astype(k_BHTD.dtype)
+    dk = _heads_dot_over_rows(dscores_BHST, q_BHSD).astype(k_BHTD.dtype)
     return dq, dk, dv
 
 
