@@ -53,7 +53,7 @@ def keep_compiled_programs() -> Path | None:
         except OSError:  # a read-only home: compile every run, as without the cache
             return None
         jax.config.update("jax_compilation_cache_dir", str(folder))
-    # JAX's own threshold (1 s) leaves out e.g. the README run's evaluation (0.7 s to compile)
+    # JAX's own threshold (1 s) leaves out programs such as the README run's evaluation, compiled again every run
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:

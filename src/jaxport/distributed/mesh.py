@@ -87,7 +87,7 @@ def shard_batch(batch, mesh: Mesh, batch_dim: int = 0):
     arrays, treedef = jax.tree.flatten(batch)
     arrays = [np.asarray(x) for x in arrays]
     shardings = [_batch_sharding(mesh, x.ndim, batch_dim) for x in arrays]
-    if jax.process_count() == 1:  # all rows are this process's: one batched transfer (0.85 -> 0.2 ms per GPT step)
+    if jax.process_count() == 1:  # all rows are this process's: one batched transfer, less host time per step
         return jax.tree.unflatten(treedef, jax.device_put(arrays, shardings))
     placed = [jax.make_array_from_process_local_data(s, x) for s, x in zip(shardings, arrays)]
     return jax.tree.unflatten(treedef, placed)

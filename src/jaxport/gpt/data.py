@@ -270,9 +270,9 @@ class Batches:
         rng = np.random.default_rng([self.seed, self.PURPOSES.index(purpose), ("train", "val").index(split), draw])
         path = self.data_dir / f"{split}.bin"
         ix = rng.integers(0, path.stat().st_size // 2 - self.block_size, size=(*shape, self.batch_size))
-        # One read per window, so the windows' pages do not pile up in memory (nanoGPT makes a fresh memmap
-        # per batch for that): mapping and unmapping the file each call cost 1.5 ms per README-config iteration,
-        # the unmap interrupting the threads of the step that had just run.
+        # One read per window, so the windows' pages do not pile up in memory (nanoGPT makes a fresh memmap per
+        # batch for that; mapping and unmapping the file each call took more of the host's time between steps:
+        # docs/performance.md, "Host work around the README run's steps").
         width = 2 * (self.block_size + 1)
         with open(path, "rb", buffering=0) as f:
             raw = b"".join(os.pread(f.fileno(), width, 2 * int(i)) for i in ix.flat)

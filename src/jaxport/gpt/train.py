@@ -611,7 +611,8 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
                 f"{out_dir / CHECKPOINT_SUBDIR}); `pip install 'jaxport[torch]'` and `jaxport gpt export` write it"
             )
 
-    later_imports = ["torch"] if jax.process_count() == 1 and torch_available() else []  # for ckpt.pt
+    saves = cfg["max_iters"] >= cfg["eval_interval"] or cfg["checkpoint_interval"]
+    later_imports = ["torch"] if saves and jax.process_count() == 1 and torch_available() else []  # for ckpt.pt
     X, Y = batches.get("train", (accum,), draw=iter_num)
     t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
     interval = cfg["checkpoint_interval"]

@@ -117,8 +117,8 @@ def _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale):
 def _heads_dot_over_rows(a_BHSX, b_BHSY):
     """`aᵀ b` per head, `[B, H, X, Y]`, summed over the rows `S`. Float32 contracts over the rows in place; a
     reduced-precision `a` is first written out transposed and row-major (`row_major_transpose`), which keeps
-    the product in that precision on XLA:CPU. In float32 that copy only cost: the TRM paper-size attention's
-    forward and backward, [16, 8, 97, 64], 12.5 -> 8.9 ms without it, the same bits."""
+    the product in that precision on XLA:CPU. In float32 that copy only costs time (docs/performance.md, "Host
+    work around the README run's steps": the attention backward), and the result is the same bits."""
     if a_BHSX.dtype == jnp.float32:
         return _heads_dot(a_BHSX, b_BHSY, 2, 2)
     return _heads_dot(row_major_transpose(a_BHSX), b_BHSY, 3, 2)

@@ -133,11 +133,12 @@ class Run:
 
     def import_ahead(self, *modules: str) -> None:
         """Import on a thread what the run will need later, so that its first save and its close do not wait
-        for it: matplotlib (the learning curves drawn at close, ~1.3 s with the first figure) and `modules`
-        (e.g. torch for nanoGPT's ckpt.pt, ~2 s). Call it once the first step has compiled: while a step is
-        traced the import's Python holds the GIL the tracer needs, while a compiled step runs without it, on
-        cores its small products leave idle. Calls after the first do nothing, so a loop may call it after every
-        step. A module that fails to import fails again where it is used."""
+        for it: matplotlib (the learning curves drawn at close) and `modules` (e.g. torch for nanoGPT's ckpt.pt).
+        Call it once the first step has compiled: while a step is traced the import's Python holds the GIL the
+        tracer needs, while a compiled step runs without it, on cores its small products leave partly idle (the
+        steps it overlaps still slow down: docs/performance.md, "Host work around the README run's steps").
+        Calls after the first do nothing, so a loop may call it after every step. A module that fails to import
+        fails again where it is used."""
         if not self.is_main or self._import_thread is not None:
             return
 
