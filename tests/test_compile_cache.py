@@ -76,7 +76,7 @@ def test_jax_s_own_setting_turns_the_cache_off(tmp_path):
 
 def test_a_cache_folder_named_by_jax_s_setting_keeps_the_smaller_programs_too(tmp_path):
     """`JAX_COMPILATION_CACHE_DIR` picks the folder; the programs kept are still those compiling in 0.2 s or more
-    (JAX's own 1 s left out e.g. the README run's evaluation, 0.7 s, which then compiled again every run)."""
+    (JAX's own 1 s threshold left out e.g. the README run's evaluation, which then compiled again every run)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     probe = (
         "import jax; from jaxport.compile_time import keep_compiled_programs, CACHE_MIN_COMPILE_SECONDS as m; "
