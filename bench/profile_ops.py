@@ -85,14 +85,16 @@ def kind_of(name: str, instructions: dict, computations: dict) -> tuple[str, flo
     )
 
 
-def profile(function, args, top: int, only_kind: str | None = None, compiler_options=None) -> None:
+def profile(function, args, top: int, only_kind: str | None = None, compiler_options=None, repeat: int = 1) -> None:
+    """Times are per call, averaged over `repeat` traced calls (a single call's first-touch outliers even out)."""
     compiled = jax.jit(function, compiler_options=compiler_options).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
     jax.block_until_ready(compiled(*args))
     instructions, computations = hlo_index(compiled.as_text())
     out = tempfile.mkdtemp(prefix="profile_ops_")
     jax.profiler.start_trace(out)
-    jax.block_until_ready(compiled(*args))
+    for _ in range(repeat):
+        jax.block_until_ready(compiled(*args))
     jax.profiler.stop_trace()
     trace = json.load(gzip.open(glob.glob(out + "/**/*.trace.json.gz", recursive=True)[0]))
     per_op, calls, kinds = collections.Counter(), collections.Counter(), collections.Counter()
@@ -101,9 +103,10 @@ def profile(function, args, top: int, only_kind: str | None = None, compiler_opt
         name = event.get("name", "")
         if event.get("ph") != "X" or name not in instructions:
             continue
-        per_op[name] += event["dur"] / 1e6
+        per_op[name] += event["dur"] / 1e6 / repeat
         calls[name] += 1  # an op inside a loop runs once per iteration
     total = sum(per_op.values())
+    calls = collections.Counter({name: count // repeat for name, count in calls.items()})
     for name, seconds in per_op.items():
         kind, f, text = kind_of(name, instructions, computations)
         kinds[kind] += seconds
@@ -218,9 +221,10 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--kind", default=None, help="list only ops of this kind (dot, convert, transpose, ...)")
+    parser.add_argument("--repeat", type=int, default=1, help="calls to trace; times are their average")
     args = parser.parse_args()
     function, call_args = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream}[args.workload](args)
-    profile(function, call_args, args.top, args.kind, getattr(function, "compiler_options", None))
+    profile(function, call_args, args.top, args.kind, getattr(function, "compiler_options", None), args.repeat)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from jaxport.nn import (
     truncated_normal,
 )
 from jaxport.nn.linear import matmul_t_f32
-from jaxport.nn.mlp import silu
+from jaxport.nn.mlp import gelu, silu
 
 rng = np.random.default_rng(0)
 
@@ -179,6 +179,26 @@ def test_silu_in_bfloat16_is_torch_s_bit_for_bit():
     want = F.silu(torch.tensor(x).bfloat16())
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want.float().numpy())
+
+
+def test_gelu_is_torch_s_exact_gelu_forward_and_backward():
+    """nanoGPT's `nn.GELU()`: the erf form in float32, and in bfloat16 computed in float32 and rounded once, as
+    PyTorch's kernel does. Below x = -3, `1 + erf` cancels: PyTorch's kernel and this one each stay ~1e-6 from
+    the float64 value there, not from each other's bits."""
+    x = np.concatenate([rng.normal(size=20_000) * 3, np.linspace(-12, 12, 2001)]).astype(np.float32)
+    got, vjp = jax.vjp(gelu, jnp.asarray(x))
+    want = torch.tensor(x, requires_grad=True)
+    y = F.gelu(want)
+    y.backward(torch.ones_like(y))
+    np.testing.assert_allclose(got, y.detach().numpy(), rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(vjp(jnp.ones_like(got))[0], want.grad.numpy(), rtol=1e-6, atol=2e-6)
+    got16 = gelu(jnp.asarray(x, jnp.bfloat16))
+    want16 = F.gelu(torch.tensor(x).bfloat16())
+    assert got16.dtype == jnp.bfloat16
+    got16, want16 = np.asarray(got16.astype(jnp.float32)), want16.float().numpy()
+    head = x > -3  # in the cancelling tail the ~1e-6 float32 difference can round one bfloat16 ulp apart
+    np.testing.assert_array_equal(got16[head], want16[head])
+    np.testing.assert_allclose(got16, want16, rtol=2**-7, atol=2e-6)  # one bfloat16 ulp, or the float32 error
 
 
 def test_linear_keeps_float32_params_and_casts_at_use():

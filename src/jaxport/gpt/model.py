@@ -24,7 +24,7 @@ from jaxport.compile_time import LARGE_MATMUL_ROWS
 from jaxport.errors import JaxportError
 from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
-from jaxport.nn import Linear, add_positions, dot_product_attention, dropout, label_entries
+from jaxport.nn import Linear, add_positions, dot_product_attention, dropout, gelu, label_entries
 from jaxport.nn.chunks import in_row_chunks
 
 # Dense bf16 peak FLOP/s per chip, matched against `jax.Device.device_kind` (first match wins).
@@ -105,7 +105,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, rng=None):
         # nanoGPT's nn.GELU() is the exact erf form, not GPT-2's tanh approximation.
-        return dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=False)), self.dropout, rng)
+        return dropout(self.c_proj(gelu(self.c_fc(x))), self.dropout, rng)
 
 
 class Block(nnx.Module):

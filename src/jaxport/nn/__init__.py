@@ -5,7 +5,7 @@ from jaxport.nn.dropout import dropout
 from jaxport.nn.initializers import truncated_normal
 from jaxport.nn.linear import Embedding, Linear, add_positions
 from jaxport.nn.losses import label_entries, softmax_cross_entropy
-from jaxport.nn.mlp import SwiGLU, find_multiple, swiglu_intermediate_size
+from jaxport.nn.mlp import SwiGLU, find_multiple, gelu, swiglu_intermediate_size
 from jaxport.nn.norm import RMSNorm, rms_norm
 from jaxport.nn.rotary import apply_rotary, rotary_cos_sin, rotate_half
 
@@ -22,6 +22,7 @@ __all__ = [
     "softmax_cross_entropy",
     "SwiGLU",
     "find_multiple",
+    "gelu",
     "swiglu_intermediate_size",
     "RMSNorm",
     "rms_norm",
