@@ -60,6 +60,26 @@ def test_a_step_under_the_trim_threshold_reuses_its_temporaries_instead_of_fault
     assert result["after"] < 0.2 * result["before"]
 
 
+@pytest.mark.parametrize("memory_gb", [64, 0.25])
+def test_a_step_over_the_trim_threshold_reuses_its_temporaries_where_two_fit_in_half_the_memory(memory_gb):
+    """The same ~130 MB step with the trim threshold lowered under it: the heap keeps its temporaries (never trimmed)
+    on a machine of 64 GB; on one of 256 MB, where a second block of them could not be afforded, they stay mapped
+    afresh every call."""
+    fake_machine = f"""
+import os, types
+malloc.TRIM_THRESHOLD = 64 << 20
+pages = int({memory_gb} * (1 << 30)) // 4096
+malloc.os = types.SimpleNamespace(sysconf=lambda name: {{"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": pages}}[name])
+"""
+    result = run_with_median_faults(fake_machine + FAULTS_PER_CALL)
+    assert result["temp"] > 64 << 20
+    assert result["before"] > 0.5 * result["temp"] / 4096
+    if memory_gb == 64:
+        assert result["after"] < 0.2 * result["before"]
+    else:
+        assert result["after"] > 0.5 * result["temp"] / 4096
+
+
 def test_restart_with_huge_pages_keeps_the_arguments_and_sets_the_tunable_once():
     code = (
         "import os, sys; from jaxport import malloc; malloc.restart_with_huge_pages(); "

@@ -82,14 +82,22 @@ def reuse_memory_before_first_call(jitted, *args) -> None:
 
 
 def reuse_memory_for(compiled) -> None:
-    """Serve every block from the (untrimmed) heap from now on if the compiled step's temporaries
-    fit under the trim threshold: XLA:CPU allocates them as one block per call, which glibc would
-    otherwise map and fault in afresh each step (40 000 page faults and 140 -> 104 ms for the
-    demo-size TRM step, 153 MB). Larger steps keep mmap: the heap would double their resident
-    memory (a 4.8 GB GPT step: 5.8 -> 10.5 GB) and trim them anyway. Only in a process that
-    `keep_freed_memory` tuned (the jaxport command, the benchmarks), whose steps allocate on the
-    main thread and so from the heap."""
+    """Serve every block from the heap from now on, and never trim it below the compiled step's temporaries:
+    XLA:CPU allocates them as one block per call, which glibc would otherwise map and fault in afresh each step
+    (40 000 page faults and 140 -> 104 ms for the demo-size TRM step, 153 MB; with huge pages, the kernel zeroing
+    the paper-size TRM steps' 2.5-4 GB every step: 3-17% of their time, docs/performance.md, "Temporaries kept").
+    A long-lived block freed into the middle of a large step's hole can make the heap grow by a second block of
+    temporaries (train_shakespeare_char's 4.8 GB: 5.9 -> 10.0 GB peak resident over a run with evaluations), so
+    temporaries above the trim threshold stay mapped afresh unless two of them fit in half the machine's
+    memory. Only in a process that `keep_freed_memory` tuned (the jaxport command, the benchmarks), whose steps
+    allocate on the main thread and so from the heap."""
     libc = _libc()
     memory = compiled.memory_analysis()
-    if _tuned and libc is not None and memory is not None and memory.temp_size_in_bytes <= TRIM_THRESHOLD:
+    if not _tuned or libc is None or memory is None:
+        return
+    temp = memory.temp_size_in_bytes
+    if temp <= TRIM_THRESHOLD:
         libc.mallopt(M_MMAP_MAX, 0)
+    elif 4 * temp <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, -1)  # glibc reads -1 as the largest size: never trim
