@@ -10,9 +10,10 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 def restart_with_huge_pages() -> None:
     """Re-execute this program (same pid, arguments and environment) with glibc's malloc asking for
-    transparent huge pages on the memory it maps. XLA:CPU maps a large step's temporaries afresh every
-    step (4.8 GB for GPT's train_shakespeare_char, 2.5 GB for a paper-size bfloat16 TRM step) and faults
-    them in 4 KB page by page: 1.2 million faults per GPT step; with huge pages 4 000, and the step runs
+    transparent huge pages on the memory it maps. Where glibc maps a large step's temporaries afresh every
+    step (4.8 GB for GPT's train_shakespeare_char, 2.5 GB for a paper-size bfloat16 TRM step; since
+    2026-11-26 only on a machine too small to keep them in the heap, `reuse_memory_for`), it faults them in
+    4 KB page by page: 1.2 million faults per GPT step; with huge pages 4 000, and the step runs
     9.35 -> 7.75 s. TRM's paper-size bfloat16 steps run 10-18% faster with them and its float32 steps
     level (2026-11-25, Intel host with AMX; an older host had them 4-9% slower), so `jaxport gpt` and
     `jaxport trm` ask for them. Tunables are read only when a process starts, hence the restart: call it
