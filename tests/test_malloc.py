@@ -66,7 +66,7 @@ def test_a_step_over_the_trim_threshold_reuses_its_temporaries_where_two_fit_in_
     on a machine of 64 GB; on one of 256 MB, where a second block of them could not be afforded, they stay mapped
     afresh every call."""
     fake_machine = f"""
-import os, types
+import types
 malloc.TRIM_THRESHOLD = 64 << 20
 pages = int({memory_gb} * (1 << 30)) // 4096
 malloc.os = types.SimpleNamespace(sysconf=lambda name: {{"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": pages}}[name])

@@ -85,8 +85,8 @@ def reuse_memory_before_first_call(jitted, *args) -> None:
 def reuse_memory_for(compiled) -> None:
     """Serve every block from the heap from now on, and never trim it below the compiled step's temporaries:
     XLA:CPU allocates them as one block per call, which glibc would otherwise map and fault in afresh each step
-    (40 000 page faults and 140 -> 104 ms for the demo-size TRM step, 153 MB; with huge pages, the kernel zeroing
-    the paper-size TRM steps' 2.5-4 GB every step: 3-17% of their time, docs/performance.md, "Temporaries kept").
+    (40 000 page faults per demo-size TRM step, 153 MB; with huge pages, the kernel zeroing the paper-size TRM
+    steps' 2.5-4 GB every step: docs/performance.md, "Temporaries kept").
     A long-lived block freed into the middle of a large step's hole can make the heap grow by a second block of
     temporaries (train_shakespeare_char's 4.8 GB: 5.9 -> 10.0 GB peak resident over a run with evaluations), so
     temporaries above the trim threshold stay mapped afresh unless two of them fit in half the machine's
