@@ -92,8 +92,11 @@ def reuse_memory_for(compiled) -> None:
     temporaries above the trim threshold stay mapped afresh unless two of them fit in half the machine's
     memory. Only in a process that `keep_freed_memory` tuned (the jaxport command, the benchmarks), whose steps
     allocate on the main thread and so from the heap."""
+    import jax
+
     libc = _libc()
-    memory = compiled.memory_analysis()
+    # an accelerator program's temporaries live in device memory: the host's malloc has nothing to size
+    memory = compiled.memory_analysis() if jax.default_backend() == "cpu" else None
     if not _tuned or libc is None or memory is None:
         return
     temp = memory.temp_size_in_bytes
