@@ -13,12 +13,11 @@ def restart_with_huge_pages() -> None:
     transparent huge pages on the memory it maps. Where glibc maps a large step's temporaries afresh every
     step (4.8 GB for GPT's train_shakespeare_char, 2.5 GB for a paper-size bfloat16 TRM step; since
     2026-11-26 only on a machine too small to keep them in the heap, `reuse_memory_for`), it faults them in
-    4 KB page by page: 1.2 million faults per GPT step; with huge pages 4 000, and the step runs
-    9.35 -> 7.75 s. TRM's paper-size bfloat16 steps run 10-18% faster with them and its float32 steps
-    level (2026-11-25, Intel host with AMX; an older host had them 4-9% slower), so `jaxport gpt` and
-    `jaxport trm` ask for them. Tunables are read only when a process starts, hence the restart: call it
-    from a program's entry point, before any work. A no-op off Linux, where the tunable is already set, or
-    where `JAXPORT_NO_RESTART` is set (to keep a process under a debugger)."""
+    4 KB page by page: 1.2 million faults per GPT step, 4 000 with huge pages (their effect on each step's
+    time, host by host, is in docs/performance.md), so `jaxport gpt` and `jaxport trm` ask for them.
+    Tunables are read only when a process starts, hence the restart: call it from a program's entry point,
+    before any work. A no-op off Linux, where the tunable is already set, or where `JAXPORT_NO_RESTART` is
+    set (to keep a process under a debugger)."""
     if sys.platform != "linux" or os.environ.get("JAXPORT_NO_RESTART"):
         return
     tunables = os.environ.get("GLIBC_TUNABLES", "")
@@ -100,8 +99,8 @@ def reuse_memory_for(compiled) -> None:
     if not _tuned or libc is None or memory is None:
         return
     temp = memory.temp_size_in_bytes
-    if temp <= TRIM_THRESHOLD:
-        libc.mallopt(M_MMAP_MAX, 0)
-    elif 4 * temp <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
-        libc.mallopt(M_MMAP_MAX, 0)
+    if temp > TRIM_THRESHOLD:
+        if 4 * temp > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+            return
         libc.mallopt(M_TRIM_THRESHOLD, -1)  # glibc reads -1 as the largest size: never trim
+    libc.mallopt(M_MMAP_MAX, 0)
