@@ -24,7 +24,7 @@ from jaxport.nn import (
     swiglu_intermediate_size,
     truncated_normal,
 )
-from jaxport.nn.linear import matmul_t_f32
+from jaxport.nn.linear import matmul_f32, matmul_t_f32
 from jaxport.nn.mlp import gelu, silu
 
 rng = np.random.default_rng(0)
@@ -169,6 +169,7 @@ def test_swiglu_matches_torch_and_rounds_like_upstream():
     gate, up = gate_up.chunk(2, -1)
     want = (F.silu(gate) * up) @ torch.tensor(np.asarray(mlp.down_proj.weight[...])).T
     np.testing.assert_allclose(mlp(jnp.asarray(x)), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(mlp(jnp.asarray(x.T), axis=0), want.numpy().T, atol=1e-5)  # features first
 
 
 def test_silu_in_bfloat16_is_torch_s_bit_for_bit():
@@ -207,21 +208,38 @@ def test_linear_keeps_float32_params_and_casts_at_use():
     assert layer.weight[...].dtype == jnp.float32 and y.dtype == jnp.bfloat16 and y.shape == (2, 3, 4)
 
 
+def test_linear_applies_to_the_leading_axis_as_to_the_last_one():
+    layer = Linear(8, 4, bias=True, rngs=nnx.Rngs(0))
+    layer.bias[...] = jnp.arange(4.0)
+    x_NMI = jnp.asarray(rng.normal(size=(5, 3, 8)), jnp.float32)
+    y_IMN = layer(x_NMI.transpose(2, 1, 0), axis=0)
+    assert y_IMN.shape == (4, 3, 5)
+    np.testing.assert_allclose(y_IMN.transpose(2, 1, 0), layer(x_NMI), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="first or last axis of its input, not axis 1"):
+        layer(x_NMI, axis=1)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("in_out", [(24, 80), (80, 24)])  # the narrower operand is the input, then the gradient
-def test_linear_gradients_are_the_products_of_the_rounded_operands(dtype, in_out):
-    """Input and weight gradients of `x @ W.T` in `[N, in]` / `[out, in]`, against float64 products of the
-    same (rounded) operands: float32 accumulation, one rounding to the dtype at the end."""
+@pytest.mark.parametrize("features", ["last", "first"])
+def test_linear_gradients_are_the_products_of_the_rounded_operands(dtype, in_out, features):
+    """Input and weight gradients of `x @ W.T` for `x: [N, in]` (features last) and of `W @ x` for `x: [in, N]`
+    (features first), `W: [out, in]`, against float64 products of the same (rounded) operands: float32
+    accumulation, one rounding to the dtype at the end."""
     (n_in, n_out), rows = in_out, 300
     x, w, g = (jnp.asarray(rng.normal(size=s), dtype) for s in ((rows, n_in), (n_out, n_in), (rows, n_out)))
-    _, vjp = jax.vjp(lambda x, w: matmul_t_f32(x, w).astype(dtype), x, w)
+    if features == "first":
+        x, g = x.T, g.T
+    product = matmul_t_f32 if features == "last" else lambda x, w: matmul_f32(w, x)
+    _, vjp = jax.vjp(lambda x, w: product(x, w).astype(dtype), x, w)
     dx, dw = jax.jit(vjp)(g)
     assert dx.shape == x.shape and dw.shape == w.shape and dx.dtype == dw.dtype == dtype
     x64, w64, g64 = (np.asarray(a).astype(np.float64) for a in (x, w, g))
+    want_dw, want_dx = (g64.T @ x64, g64 @ w64) if features == "last" else (g64 @ x64.T, w64.T @ g64)
     # float32: sums of 300 unit products (about 17) to float32 rounding; bfloat16 keeps 8 significant bits
     rtol, atol = (1e-5, 1e-4) if dtype == jnp.float32 else (2.0**-8, 2.0**-8)
-    np.testing.assert_allclose(np.asarray(dw).astype(np.float64), g64.T @ x64, rtol=rtol, atol=atol)
-    np.testing.assert_allclose(np.asarray(dx).astype(np.float64), g64 @ w64, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(np.asarray(dw).astype(np.float64), want_dw, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(np.asarray(dx).astype(np.float64), want_dx, rtol=rtol, atol=atol)
 
 
 def test_add_positions_is_the_broadcast_add_with_its_gradients():

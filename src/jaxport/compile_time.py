@@ -75,7 +75,7 @@ INDIVIDUAL_DOTS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
 PLAIN_REDUCTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 
-def compiler_options(rows: int, dtype, platform: str) -> dict | None:
+def compiler_options(rows: int, dtype, platform: str, *, plain_reductions: bool = True) -> dict | None:
     """`jax.jit(..., compiler_options=)` for a model's program whose matrix products have `rows` rows per device;
     XLA's defaults off the CPU. On a CPU:
     - large float32 products (GPT's train_shakespeare_char step, 64 x 256 rows) skip YNNPACK altogether: -11% to
@@ -87,12 +87,14 @@ def compiler_options(rows: int, dtype, platform: str) -> dict | None:
     - below LARGE_MATMUL_ROWS rows, reductions stay plain (`PLAIN_REDUCTIONS`: LayerNorm, RMSNorm and softmax rows,
       the loss, Dream's sampler over the vocabulary; nanoGPT README's CPU step 48 -> 44 ms, 884 -> 593 fusions).
       Above, the windowed form wins: the train_shakespeare_char step took 8.55 s with it against 8.96 s without
-      (2026-11-26, alternating calls of both programs in one process on the 2-core AMX host)."""
+      (2026-11-26, alternating calls of both programs in one process on the 2-core AMX host).
+      `plain_reductions=False` keeps the windowed form for a program whose norms reduce a leading axis (TRM's
+      sequence-major mlp_t), which the plain emitter runs slowly (docs/performance.md, "Sequence-major mlp_t")."""
     if platform != "cpu":
         return None
     if rows >= LARGE_MATMUL_ROWS:
         return {YNN_FUSION_TYPES: ""} if jnp.dtype(dtype) == jnp.float32 else {YNN_FUSION_TYPES: INDIVIDUAL_DOTS}
-    return {YNN_FUSION_TYPES: INDIVIDUAL_DOTS, **PLAIN_REDUCTIONS}
+    return {YNN_FUSION_TYPES: INDIVIDUAL_DOTS, **(PLAIN_REDUCTIONS if plain_reductions else {})}
 
 
 def jit_with_options(function, options: dict | None, **jit_kwargs):

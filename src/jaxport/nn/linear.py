@@ -81,6 +81,30 @@ def row_major_transpose(a):
 matmul_t_f32.defvjp(_matmul_t_fwd, _matmul_t_bwd)
 
 
+@jax.custom_vjp
+def matmul_f32(w: jax.Array, x_2d: jax.Array) -> jax.Array:
+    """`w @ x` for `w: [out, in]`, `x: [in, N]` (features in the columns), with `matmul_t_f32`'s contract: one
+    dtype in, float32 accumulation and result, and the same contract in the backward pass."""
+    return jax.lax.dot_general(w, x_2d, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _matmul_fwd(w, x_2d):
+    return matmul_f32(w, x_2d), (w, x_2d)
+
+
+def _matmul_bwd(residuals, g_2d):
+    w, x_2d = residuals
+    g_2d = g_2d.astype(x_2d.dtype)
+    # w^T g from a row-major copy of the (small) weight: a product contracting both operands' leading dimension
+    # is one that XLA:CPU widens to float32 in bfloat16 (see `_weight_gradient`); g x^T contracts both last ones.
+    dx = jax.lax.dot_general(row_major_transpose(w), g_2d, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = jax.lax.dot_general(g_2d, x_2d, _CONTRACT_IN, preferred_element_type=jnp.float32)
+    return dw.astype(w.dtype), dx.astype(x_2d.dtype)
+
+
+matmul_f32.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 class Linear(nnx.Module):
     """`y = x @ W.T + b` with `W: [out, in]` cast to the input dtype (upstream's CastedLinear)."""
 
@@ -99,19 +123,28 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(truncated_normal(std)(rngs.params(), (out_features, in_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
 
-    def __call__(self, x: jax.Array, rounded: bool = True) -> jax.Array:
-        """`rounded=False` returns the float32 product (no bias) for a caller that rounds its pieces to `x.dtype`
-        itself: XLA:CPU fuses a rounding into one consumer, not into two."""
+    def __call__(self, x: jax.Array, rounded: bool = True, axis: int = -1) -> jax.Array:
+        """The layer applied to `x`'s last axis, or with `axis=0` to its leading one (`W @ x`, for activations
+        that keep the features first). `rounded=False` returns the float32 product (no bias) for a caller that
+        rounds its pieces to `x.dtype` itself: XLA:CPU fuses a rounding into one consumer, not into two."""
+        w = self.weight[...].astype(x.dtype)
         # Contract on 2-D operands: for [B, S, D] inputs XLA:CPU otherwise emits slow
         # transposes in the weight gradient.
-        y_2d = matmul_t_f32(x.reshape(-1, self.in_features), self.weight[...].astype(x.dtype))
+        if axis == 0:
+            y_2d = matmul_f32(w, x.reshape(self.in_features, -1))
+            shape, bias_shape = (self.out_features, *x.shape[1:]), (self.out_features, 1)
+        elif axis in (-1, x.ndim - 1):
+            y_2d = matmul_t_f32(x.reshape(-1, self.in_features), w)
+            shape, bias_shape = (*x.shape[:-1], self.out_features), (self.out_features,)
+        else:
+            raise ValueError(f"a linear layer applies to the first or last axis of its input, not axis {axis}")
         if rounded:
             y_2d = y_2d.astype(x.dtype)
             if self.bias is not None:
-                y_2d = y_2d + self.bias[...].astype(x.dtype)
+                y_2d = y_2d + self.bias[...].astype(x.dtype).reshape(bias_shape)
         elif self.bias is not None:
             raise ValueError("rounded=False is for linear layers without a bias")
-        return y_2d.reshape(*x.shape[:-1], self.out_features)
+        return y_2d.reshape(shape)
 
 
 @jax.custom_vjp

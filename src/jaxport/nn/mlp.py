@@ -49,9 +49,11 @@ class SwiGLU(nnx.Module):
             self.up_proj = Linear(hidden_size, intermediate_size, bias=False, rngs=rngs)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, axis: int = -1) -> jax.Array:
+        """Applied to `x`'s last axis, or with `axis=0` to its leading one (see `Linear`)."""
         if self.fused:  # each half rounded to x's dtype on its own, inside the fusion that uses it
-            gate, up = (h.astype(x.dtype) for h in jax.numpy.split(self.gate_up_proj(x, rounded=False), 2, axis=-1))
+            gate_up = self.gate_up_proj(x, rounded=False, axis=axis)
+            gate, up = (h.astype(x.dtype) for h in jax.numpy.split(gate_up, 2, axis=axis))
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu(gate) * up)
+            gate, up = self.gate_proj(x, axis=axis), self.up_proj(x, axis=axis)
+        return self.down_proj(silu(gate) * up, axis=axis)

@@ -63,26 +63,27 @@ class Block(nnx.Module):
             self.self_attn = Attention(config.hidden_size, config.num_heads, causal=False, rngs=rngs)
         self.mlp = SwiGLU(config.hidden_size, swiglu_intermediate_size(config.hidden_size, config.expansion), rngs=rngs)
 
-    def __call__(self, h_BSD, cos_sin):
+    def __call__(self, h, cos_sin):
+        """`h`: [B, S, D], or with mlp_t [S, B, D] (the recursion's layout, see `TRMInner.__call__`)."""
         if hasattr(self, "mlp_t"):
-            h_BDS = h_BSD.swapaxes(1, 2)
-            h_BSD = rms_norm(h_BDS + self.mlp_t(h_BDS), self.eps).swapaxes(1, 2)  # normalised over S
+            h_SBD = h
+            h = rms_norm(h_SBD + self.mlp_t(h_SBD, axis=0), self.eps, axis=0)  # mixed and normalised over S
         else:
-            h_BSD = rms_norm(h_BSD + self.self_attn(h_BSD, cos_sin), self.eps)
-        return rms_norm(h_BSD + self.mlp(h_BSD), self.eps)
+            h = rms_norm(h + self.self_attn(h, cos_sin), self.eps)
+        return rms_norm(h + self.mlp(h), self.eps)
 
 
 class ReasoningModule(nnx.Module):
-    """`L_level`: add the injection to the state, then run the blocks."""
+    """`L_level`: add the injection to the state, then run the blocks (in the recursion's layout, see `Block`)."""
 
     def __init__(self, config: TRMConfig, rngs: nnx.Rngs):
         self.layers = nnx.List([Block(config, rngs) for _ in range(config.L_layers)])
 
-    def __call__(self, h_BSD, injection_BSD, cos_sin):
-        h_BSD = h_BSD + injection_BSD
+    def __call__(self, h, injection, cos_sin):
+        h = h + injection
         for layer in self.layers:
-            h_BSD = layer(h_BSD, cos_sin)
-        return h_BSD
+            h = layer(h, cos_sin)
+        return h
 
 
 class SparsePuzzleEmbedding(nnx.Module):
@@ -156,11 +157,11 @@ class TRMInner(nnx.Module):
             z_H=jnp.where(reset_B11, self.H_init[...], carry.z_H), z_L=jnp.where(reset_B11, self.L_init[...], carry.z_L)
         )
 
-    def recurse(self, z_H, z_L, x_BSD, cos_sin, unroll: bool):
+    def recurse(self, z_H, z_L, x, cos_sin, unroll: bool):
         """One H cycle: L_cycles updates of z_L from (z_H + input), then z_H from z_L."""
 
         def l_step(_, z_L):
-            return self.L_level(z_L, z_H + x_BSD, cos_sin)
+            return self.L_level(z_L, z_H + x, cos_sin)
 
         if unroll:
             for _ in range(self.config.L_cycles):
@@ -169,26 +170,33 @@ class TRMInner(nnx.Module):
             z_L = jax.lax.fori_loop(0, self.config.L_cycles, l_step, z_L)
         return self.L_level(z_H, z_L, cos_sin), z_L
 
-    def reason(self, z_H, z_L, x_BSD, cos_sin, unroll: bool):
+    def reason(self, z_H, z_L, x, cos_sin, unroll: bool):
         # H_cycles - 1 cycles without gradient, then one with: gradients see only the last cycle.
         if unroll:
             for _ in range(self.config.H_cycles - 1):
-                z_H, z_L = self.recurse(z_H, z_L, x_BSD, cos_sin, unroll)
+                z_H, z_L = self.recurse(z_H, z_L, x, cos_sin, unroll)
         else:
             z_H, z_L = jax.lax.fori_loop(
-                0, self.config.H_cycles - 1, lambda _, z: self.recurse(*z, x_BSD, cos_sin, unroll), (z_H, z_L)
+                0, self.config.H_cycles - 1, lambda _, z: self.recurse(*z, x, cos_sin, unroll), (z_H, z_L)
             )
         z_H, z_L = jax.lax.stop_gradient(z_H), jax.lax.stop_gradient(z_L)
-        return self.recurse(z_H, z_L, x_BSD, cos_sin, unroll)
+        return self.recurse(z_H, z_L, x, cos_sin, unroll)
 
     def __call__(self, carry: InnerCarry, data: dict, puzzle_rows_BE, unroll: bool = True, row_chunks: int = 1):
         x_BSD = self.input_embeddings(data["inputs"], puzzle_rows_BE)
         cos_sin = self.cos_sin(x_BSD.shape[1])
 
+        # With mlp_t the recursion runs sequence-major, [S, B, D]: the token mixing's products then take the
+        # sequence axis as it lies and the channel products see rows [S*B, D], where [B, S, D] needs two transposes
+        # per block each way (docs/performance.md, "Sequence-major mlp_t").
+        layout = (lambda a: a.swapaxes(0, 1)) if self.config.mlp_t else (lambda a: a)  # its own inverse
+
+        def reason(z_H, z_L, x):
+            z_H, z_L = self.reason(layout(z_H), layout(z_L), layout(x), cos_sin, unroll)
+            return layout(z_H), layout(z_L)
+
         # Rows are independent until the loss, so the recursion may run on row chunks (see TRM.chunks_for).
-        z_H, z_L = in_row_chunks(
-            lambda z_H, z_L, x: self.reason(z_H, z_L, x, cos_sin, unroll), row_chunks, carry.z_H, carry.z_L, x_BSD
-        )
+        z_H, z_L = in_row_chunks(reason, row_chunks, carry.z_H, carry.z_L, x_BSD)
         logits_BLV = self.lm_head(z_H)[:, self.num_puzzle_positions :]
         q_B2 = self.q_head(z_H[:, 0]).astype(jnp.float32)
         new_carry = InnerCarry(z_H=jax.lax.stop_gradient(z_H), z_L=jax.lax.stop_gradient(z_L))
@@ -234,7 +242,10 @@ class TRM(nnx.Module):
         batch_size, length = inputs_shape
         per_chunk = batch_size // jax.device_count() // self.chunks_for(batch_size)
         rows = per_chunk * (length + self.config.num_puzzle_positions)
-        return compiler_options(rows, self.config.forward_dtype, jax.default_backend())
+        # mlp_t normalises over the sequence, its layout's leading axis (TRMInner.__call__)
+        return compiler_options(
+            rows, self.config.forward_dtype, jax.default_backend(), plain_reductions=not self.config.mlp_t
+        )
 
     @property
     def training(self) -> bool:
