@@ -66,8 +66,7 @@ class Block(nnx.Module):
     def __call__(self, h, cos_sin):
         """`h`: [B, S, D], or with mlp_t [S, B, D] (the recursion's layout, see `TRMInner.__call__`)."""
         if hasattr(self, "mlp_t"):
-            h_SBD = h
-            h = rms_norm(h_SBD + self.mlp_t(h_SBD, axis=0), self.eps, axis=0)  # mixed and normalised over S
+            h = rms_norm(h + self.mlp_t(h, axis=0), self.eps, axis=0)  # [S, B, D]: mixed and normalised over S
         else:
             h = rms_norm(h + self.self_attn(h, cos_sin), self.eps)
         return rms_norm(h + self.mlp(h), self.eps)
