@@ -85,10 +85,11 @@ def test_sort_task_through_the_cli(tmp_path):
 
 
 def test_multiple_choice_through_simple_evaluate():
-    """The right answer among four candidates, by Dream's Monte-Carlo log-likelihood: at least 90%."""
+    """The right answer among four candidates, by Dream's Monte-Carlo log-likelihood: at least 90%. The
+    continuation sits in the 128-token span of end-of-text the test model was trained on."""
     results = lm_eval.simple_evaluate(
         model="jaxport-dream",
-        model_args={"pretrained": str(MODEL), "mc_num": 32},
+        model_args={"pretrained": str(MODEL), "mc_num": 16, "pad_continuation": True},
         tasks=["jaxport_sort_choice"],
         task_manager=TaskManager(include_path=str(TASKS)),
         batch_size=256,
@@ -136,25 +137,32 @@ def test_loglikelihood_is_seeded_and_independent_of_batching(lm):
     assert other[0] != pytest.approx(first[0], rel=1e-5)
 
 
-def test_loglikelihood_padded_batches_equal_each_request_alone(lm):
+@pytest.mark.parametrize("pad_continuation", [False, True])
+def test_loglikelihood_padded_batches_equal_each_request_alone(lm, pad_continuation):
     """A short request batched (left-padded) with a long one scores what its Monte-Carlo samples score
-    through the model's own forward, unpadded: sum over masked continuation tokens of -log p / p."""
+    through the model's own forward, unpadded: the sum over masked continuation tokens of -log p / p;
+    the context and the end-of-text tail (one token, or up to `max_new_tokens`) are never scored."""
     requests = [_score("sort dog hat goat bird cat egg=", " bird cat dog egg goat hat"), _score("sort 31=", "13")]
-    lm.batch_size = 2 * lm.mc_num
+    lm.batch_size, lm.pad_continuation = 2 * lm.mc_num, pad_continuation
     try:
         batched = [ll for ll, _ in lm.loglikelihood(requests)]
+        for request, ll in zip(requests, batched):
+            context_ids, continuation_ids, tail = lm._encode_pair(*request.args)
+            sequence, noisy_ML, weight_ML = lm._mc_rows(request.args[0], context_ids, continuation_ids, tail)
+            assert len(continuation_ids) + len(tail) == (
+                lm.max_new_tokens if pad_continuation else len(continuation_ids) + 1
+            )
+            logits = np.asarray(lm.model(noisy_ML), np.float64)
+            logits = np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)  # position j from hidden j - 1
+            top = logits.max(-1, keepdims=True)
+            logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+            nll_ML = -np.take_along_axis(logp, np.broadcast_to(sequence, noisy_ML.shape)[..., None], -1)[..., 0]
+            # float32 log-probabilities: a near-certain answer scores within 1e-6 of 0
+            assert ll == pytest.approx(-(nll_ML * weight_ML).sum() / lm.mc_num, rel=1e-4, abs=1e-5)
+            scored = weight_ML[:, len(context_ids) : len(context_ids) + len(continuation_ids)]
+            assert scored.any() and weight_ML.sum() == scored.sum()
     finally:
-        lm.batch_size = 8
-    for request, ll in zip(requests, batched):
-        context, continuation = request.args
-        sequence, noisy_ML, weight_ML = lm._mc_rows(context, *lm._encode_pair(context, continuation))
-        logits = np.asarray(lm.model(noisy_ML), np.float64)
-        logits = np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)  # position j from hidden j - 1
-        top = logits.max(-1, keepdims=True)
-        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-        nll_ML = -np.take_along_axis(logp, np.broadcast_to(sequence, noisy_ML.shape)[..., None], -1)[..., 0]
-        assert ll == pytest.approx(-(nll_ML * weight_ML).sum() / lm.mc_num, rel=1e-4)
-        assert weight_ML.any() and (weight_ML[:, -1] == 0).all()  # the trailing end-of-text is never scored
+        lm.batch_size, lm.pad_continuation = 8, False
 
 
 def test_bad_model_arguments_are_named():

@@ -80,7 +80,10 @@ class DreamLM(LM):
     `p = (1 - sampling_eps) t + sampling_eps`, each of its tokens independently, and
     `log p(continuation | context)` is bounded below by `-E_t[sum over masked tokens of -log p / p]`,
     averaged over `mc_num` samples whose `t` are stratified over [0, 1) (`t_k = (u + k / mc_num) mod 1`;
-    Dream stratifies within each forward batch instead). The draws are seeded by `seed` and the context
+    Dream stratifies within each forward batch instead). `pad_continuation=true` follows the
+    continuation with end-of-text up to `max_new_tokens` tokens (visible, never scored) instead of one:
+    the layout of the generation canvas and of answers in fixed spans padded with end-of-text, as
+    supervised fine-tuning (and the sort task's test model) trains on. The draws are seeded by `seed` and the context
     text alone, so the choices of one question share them (common random numbers) and the result does
     not depend on batching or order. `batch_size` rows (samples of one or more requests) run per
     forward. `is_greedy` is always False, as in Dream's model. `loglikelihood_rolling` is not
@@ -107,6 +110,7 @@ class DreamLM(LM):
         add_bos_token: bool = False,
         escape_until: bool = False,
         mc_num: int = 128,
+        pad_continuation: bool = False,
         sampling_eps: float = 1e-3,
         seed: int = 0,
         device: str | None = None,  # lm-eval's --device: JAX places the model on its default devices
@@ -131,6 +135,7 @@ class DreamLM(LM):
         self.sampling_eps = float(sampling_eps)
         self.add_bos_token = bool(add_bos_token)
         self.escape_until = bool(escape_until)
+        self.pad_continuation = bool(pad_continuation)
         self.seed = int(seed)
         if dtype == "auto":
             dtype = DreamConfig.from_model_dir(pretrained).torch_dtype
@@ -195,35 +200,38 @@ class DreamLM(LM):
                 answers.append(text)
         return answers
 
-    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids of the context and of the continuation followed by end-of-text, as Dream's model
-        splits them: trailing spaces of the context move to the continuation, the pair is encoded
-        whole, and the front is cut when the whole is longer than `max_length`."""
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int], list[int]]:
+        """Token ids `(context, continuation, end-of-text tail)` as Dream's model splits them: trailing
+        spaces of the context move to the continuation, the pair is encoded whole, one end-of-text
+        follows (up to `max_new_tokens` tokens in all with `pad_continuation`), and the front of the
+        context is cut when the whole is longer than `max_length`."""
         context = self._with_bos(context)
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.tokenizer.encode(context + continuation) + [self.tokenizer.eos_token_id]
         context_ids = self.tokenizer.encode(context)
-        continuation_ids = whole[len(context_ids) :]
-        if len(continuation_ids) < 2:
+        continuation_ids = self.tokenizer.encode(context + continuation)[len(context_ids) :]
+        if not continuation_ids:
             raise JaxportError(f"loglikelihood: empty continuation after context {context[-80:]!r}")
-        keep = self.max_length - len(continuation_ids)
+        tail = [self.tokenizer.eos_token_id] * max(
+            self.max_new_tokens - len(continuation_ids) if self.pad_continuation else 1, 1
+        )
+        keep = self.max_length - len(continuation_ids) - len(tail)
         if keep < 0:
             raise JaxportError(
-                f"loglikelihood: the continuation has {len(continuation_ids)} tokens, more than "
-                f"max_length={self.max_length}"
+                f"loglikelihood: the continuation and its end-of-text take {len(continuation_ids) + len(tail)} "
+                f"tokens, more than max_length={self.max_length}"
             )
-        return context_ids[len(context_ids) - keep :] if keep < len(context_ids) else context_ids, continuation_ids
+        return context_ids[max(len(context_ids) - keep, 0) :], continuation_ids, tail
 
-    def _mc_rows(self, context: str, context_ids, continuation_ids):
-        """The `mc_num` noisy copies of one request: `(noisy [M, L], weight [M, L])`, weight 1/p on
-        the masked continuation tokens and 0 elsewhere."""
+    def _mc_rows(self, context: str, context_ids, continuation_ids, tail):
+        """The `mc_num` noisy copies of one request: `(sequence [L], noisy [M, L], weight [M, L])`, the
+        weight 1/p on the masked continuation tokens and 0 elsewhere."""
         rng = np.random.default_rng([self.seed, zlib.crc32(context.encode())])
-        sequence = np.asarray(context_ids + continuation_ids, np.int32)
-        # never masked, as in Dream's: the first position (nothing left of it to score it from) and the
-        # continuation's trailing end-of-text
-        span = slice(max(len(context_ids), 1), len(sequence) - 1)
+        sequence = np.asarray(context_ids + continuation_ids + tail, np.int32)
+        # the context and the end-of-text tail stay visible, and the first position (nothing left of it
+        # to score it from), as in Dream's
+        span = slice(max(len(context_ids), 1), len(context_ids) + len(continuation_ids))
         t_M = (rng.random() + np.arange(self.mc_num) / self.mc_num) % 1.0
         p_M = (1 - self.sampling_eps) * t_M + self.sampling_eps
         masked_MS = rng.random((self.mc_num, span.stop - span.start)) < p_M[:, None]
