@@ -160,6 +160,9 @@ class DreamLM(LM):
     def tokenizer_name(self) -> str:
         return self.pretrained.replace("/", "__")
 
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        return self.tokenizer.chat_template or ""
+
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
 
