@@ -1,5 +1,5 @@
-"""`jaxport dream generate|bench|serve`: diffusion generation from a Hugging Face Dream directory, its speed,
-and an OpenAI-compatible server."""
+"""`jaxport dream generate|bench|serve|eval`: diffusion generation from a Hugging Face Dream directory, its
+speed, an OpenAI-compatible server, and scores on lm-evaluation-harness tasks."""
 
 import argparse
 import dataclasses
@@ -250,6 +250,19 @@ def tokenizer(args) -> int:
     return 0
 
 
+def evaluate(argv: list[str]) -> int:
+    """`jaxport dream eval ARGS`: lm-evaluation-harness's command line, `ARGS` as `lm-eval` takes them, with the
+    `jaxport-dream` model (`jaxport.dream.lm_eval`)."""
+    try:
+        from jaxport.dream.lm_eval import cli
+    except ModuleNotFoundError as err:
+        raise JaxportError(
+            f"jaxport dream eval needs lm-evaluation-harness, and {err.name} is not installed: "
+            "pip install 'jaxport[eval]'"
+        ) from None
+    return cli(argv)
+
+
 def _add_train(actions):
     from jaxport.dream.train import TrainConfig
 
@@ -298,6 +311,9 @@ def _add_train(actions):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # lm-eval parses its own arguments
+        return evaluate(argv[1:])
     parser = argparse.ArgumentParser(prog="jaxport dream", description="Dream / DiffuCoder masked-diffusion LMs")
     actions = parser.add_subparsers(dest="action", required=True)
 
@@ -364,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.set_defaults(run=serve)
 
     _add_train(actions)
+    actions.add_parser(
+        "eval",
+        add_help=False,
+        help="score on lm-evaluation-harness tasks: lm-eval's own arguments (--model_args pretrained=DIR,... "
+        "--tasks ...), with the jaxport-dream model",
+    )
 
     args = parser.parse_args(argv)
     if getattr(args, "batch_size", 1) < 1:
