@@ -21,9 +21,11 @@ dtypes CUDA's autocast gives them (linear in the low precision, the loss in floa
 float32 residual stream).
 
 Tolerances: two low-precision computations of the same iteration that are each as far from float32 as
-the original's differ by at most twice that distance, so each quantity's tolerance is twice the largest
-gap this run measures between the original's low-precision and float32 results (rtol for the losses and
-gradient norms, atol for the weights after the two iterations), rounded up to two significant digits.
+the original's differ by at most twice that distance, so each quantity's tolerance is twice the gap this
+run measures between the original's low-precision and float32 results, rounded up to two significant
+digits: the largest relative gap of the losses and of the gradient norms (rtol), and the root mean square
+of the weights' gap after the two iterations (`rms`: the weights' largest gaps are where a gradient near
+zero turns an AdamW step's sign, bounded by the step size whatever the precision).
 """
 
 import argparse
@@ -52,7 +54,7 @@ def round_up(x: float, digits: int = 2) -> float:
     if x <= 0:
         return 0.0
     scale = 10 ** (math.floor(math.log10(x)) - digits + 1)
-    return float(math.ceil(x / scale - 1e-9) * scale)
+    return float(f"{math.ceil(x / scale - 1e-9) * scale:.{digits}g}")
 
 
 def autocast_dtypes(dtype) -> dict:
@@ -149,11 +151,13 @@ def main():
         low = run_iterations(model_module, ckpt, case, inputs, expected, dtype_name)
         loss_gap = float(np.max(np.abs(low["micro_loss"] / replay["micro_loss"] - 1)))
         norm_gap = float(np.max(np.abs(low["grad_norm"] / replay["grad_norm"] - 1)))
-        weight_gap = max(float(np.max(np.abs(low[k] - replay[k]))) for k in low if k.startswith("model/"))
+        weights = [k for k in low if k.startswith("model/")]
+        weight_gap = max(float(np.max(np.abs(low[k] - replay[k]))) for k in weights)
+        weight_rms_gap = float(np.sqrt(np.mean(np.concatenate([np.ravel(low[k] - replay[k]) ** 2 for k in weights]))))
         tolerances = {
             "micro_loss": {"atol": 0.0, "rtol": round_up(2 * loss_gap)},
             "grad_norm": {"atol": 0.0, "rtol": round_up(2 * norm_gap)},
-            "model/*": {"atol": round_up(2 * weight_gap), "rtol": 0.0},
+            "model/*": {"rms": round_up(2 * weight_rms_gap)},
             "loss_scale": "exact",
         }
         out = Path(args.out) / f"{BASE}_{dtype_name}"
@@ -187,6 +191,7 @@ def main():
             "gap_to_float32": {
                 "micro_loss_max_rel": loss_gap,
                 "grad_norm_max_rel": norm_gap,
+                "model_rms": weight_rms_gap,
                 "model_max_abs": weight_gap,
             },
             "tolerances": tolerances,
@@ -199,7 +204,8 @@ def main():
                 "micro_loss": "(2,2) float32 loss of each micro step (before / gradient_accumulation_steps)",
                 "grad_norm": "(2,) float32 clip_grad_norm_ total norm after unscale_, before clipping",
                 "loss_scale": "(2,) float32 GradScaler scale after each iteration's update (1.0: disabled)",
-                "model/*": "float32 master weights after the two iterations",
+                "model/*": "float32 master weights after the two iterations (compared all together: the root mean "
+                "square of the difference over every weight)",
             },
             "generator": {
                 "script": "tools/record_gpt_reduced_precision.py",
