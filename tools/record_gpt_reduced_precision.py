@@ -177,7 +177,9 @@ def main():
             "dtype": dtype_name,
             "device": "cpu (torch.autocast('cpu'))",
             "uses": {f"../{BASE}/{name}": sha256(base / name) for name in ("ckpt.pt", "inputs.npz", "expected.npz")},
-            "train_command": case["train_command"].replace("--dtype=float32", f"--dtype={dtype_name}"),
+            "equivalent_train_command": case["train_command"]
+            .replace("--device=cpu", "--device=cuda")
+            .replace("--dtype=float32", f"--dtype={dtype_name}"),
             "procedure": [
                 f"{BASE}'s procedure, with its learning rates (expected.npz lr_iter of {BASE})",
                 f"each micro-batch's forward and loss under torch.autocast('cpu', dtype=torch.{dtype_name}), "
@@ -196,8 +198,9 @@ def main():
             },
             "tolerances": tolerances,
             "tolerance_rationale": (
-                "twice the largest gap between the original's own low-precision and float32 results of these "
-                "iterations (gap_to_float32), rounded up to two significant digits: a port whose low-precision "
+                "twice the gap between the original's own low-precision and float32 results of these iterations "
+                "(gap_to_float32: the largest relative gap of the losses and of the gradient norms, the root mean "
+                "square over the weights), rounded up to two significant digits: a port whose low-precision "
                 "iteration is no farther from float32 than the original's stays within it"
             ),
             "expected": {
