@@ -120,13 +120,18 @@ def read_problems(path: str | Path) -> list[Problem]:
     return problems
 
 
-def training_problems(count: int, seed: int = 0) -> list[Problem]:
+def training_problems(count: int, seed: int = 0) -> tuple[Problem, ...]:
     """`count` training problems, none of whose answers is in `held_out_answers()`."""
+    return _training_problems(count, seed)
+
+
+@functools.lru_cache(maxsize=2)  # the demo's 100k problems take seconds to draw, and every test split needs them
+def _training_problems(count: int, seed: int) -> tuple[Problem, ...]:
     held_out = held_out_answers()
-    return make_problems(count, seed, keep=lambda p: p.answer not in held_out)
+    return tuple(make_problems(count, seed, keep=lambda p: p.answer not in held_out))
 
 
-def held_out_problems(train: list[Problem], count: int, seed: int = 0, split: str = "new_orders") -> list[Problem]:
+def held_out_problems(train, count: int, seed: int = 0, split: str = "new_orders") -> list[Problem]:
     """`count` problems of `split` for a model trained on `train`, none with a prompt of `train`:
     `new_orders`, answers `train` has (its items in a new order); `new_answers`, answers it never has
     (`held_out_answers()`). The first k problems are the same for every `count` >= k."""
