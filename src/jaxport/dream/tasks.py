@@ -137,12 +137,15 @@ def held_out_problems(train, count: int, seed: int = 0, split: str = "new_orders
     (`held_out_answers()`). The first k problems are the same for every `count` >= k."""
     if split not in SPLITS:
         raise JaxportError(f"unknown test split {split!r}; choose from {', '.join(SPLITS)}")
-    prompts = {p.prompt for p in train}
-    if split == "new_orders":
-        trained = {p.answer for p in train}
-        return make_problems(count, seed + 1, exclude=prompts, keep=lambda p: p.answer in trained)
-    held_out = held_out_answers() - {p.answer for p in train}
-    return make_problems(count, seed + 2, exclude=prompts, keep=lambda p: p.answer in held_out)
+    prompts, trained = {p.prompt for p in train}, {p.answer for p in train}
+    answers = trained if split == "new_orders" else held_out_answers() - trained
+    if not answers:
+        raise JaxportError(
+            f"no {split} test problems: the training set has {len(trained)} answers, of them "
+            f"{len(trained & held_out_answers())} of the {len(held_out_answers())} held out"
+        )
+    offset = 1 + SPLITS.index(split)
+    return make_problems(count, seed + offset, exclude=prompts, keep=lambda p: p.answer in answers)
 
 
 def train_and_test(n_train: int, n_test: int, seed: int = 0, split: str = "new_orders"):
