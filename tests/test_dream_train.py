@@ -1,5 +1,5 @@
 """Dream masked-diffusion training: the objective, data rows, the tokenizer trainer, training and resume,
-Hugging Face export, the synthetic-task model, and bad input."""
+Hugging Face export, and bad input (the synthetic-task model: test_dream_tasks.py)."""
 
 import json
 import os
@@ -24,7 +24,6 @@ from jaxport.dream.tokenizer import CHATML_TEMPLATE, DREAM_ADDED_TOKENS, train_t
 from jaxport.errors import JaxportError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dream"
-TASK_MODEL = FIXTURES / "task_model"
 
 
 @pytest.fixture(scope="module")
@@ -345,32 +344,6 @@ def test_eight_devices_fsdp_and_tensor_parallel_match_one_device(workdir, tmp_pa
     assert "on 8 cpu device(s) {'data': 2, 'fsdp': 2, 'model': 2}" in done.stdout
     one, mesh = losses(tmp_path / "one"), losses(tmp_path / "mesh")
     np.testing.assert_allclose([mesh[s] for s in range(1, 5)], [one[s] for s in range(1, 5)], rtol=2e-5)
-
-
-# ----- the synthetic-task model
-
-
-def test_task_model_solves_held_out_problems():
-    """The fixture model (tests/fixtures/dream/task_model/RECIPE.md), decoded exactly in upstream's default
-    random order, sorts held-out digit strings and word lists."""
-    model, tokenizer = dream.load(TASK_MODEL)
-    problems = tasks.demo_test_problems(24)
-    scores, completions = tasks.evaluate(model, tokenizer, problems, batch_size=24, alg="origin", rng=jax.random.key(0))
-    assert scores["problems"] == 24 and scores["exact_match"] >= 0.9, list(zip(problems, completions))
-    assert set(k.split("/")[-1] for k in scores if "/" in k) == set(tasks.KINDS)
-
-
-def test_task_scoring():
-    problems = [tasks.Problem("add", "add 1+2=", "3"), tasks.Problem("sort", "sort 31=", "13")]
-    assert tasks.score(problems, ["3", "31"]) == {
-        "exact_match": 0.5,
-        "problems": 2,
-        "exact_match/add": 1.0,
-        "exact_match/sort": 0.0,
-    }
-    train, test = tasks.train_and_test(300, 40, seed=5)
-    assert not {p.prompt for p in train} & {p.prompt for p in test}
-    assert tasks.train_and_test(300, 10, seed=5)[1] == test[:10]
 
 
 # ----- bad input: one clear line each

@@ -5,15 +5,15 @@ Run with the originals' Python (torch + transformers 4.46.2, see ../shared/origi
     eval "$(../shared/originals/setup)"
     $REF_PY tools/dream_export_check.py [--model DIR ...] [--jaxport-python .venv/bin/python]
 
-Default models: tests/fixtures/dream/task_model (a trained model as `jaxport dream train` exports it:
-float32, one file) and a bfloat16 re-export of it in 200 kB shards (`jaxport dream export`, with
-model.safetensors.index.json). Each is copied to a temporary folder with the original's model code
-(configuration_dream.py, modeling_dream.py, generation_utils.py from $REF_DREAM) beside the weights,
-as published checkpoints ship it, and loaded with `AutoModel.from_pretrained(dir, trust_remote_code=True)`
-in float32. Its logits for token rows (unpadded, and left-padded with the 4-D mask and position ids
-upstream's sampler derives) are compared with jaxport's `dream.load` logits (run with the project's
-Python) within the fixtures' float32 tolerance (tiny_bf16 `logits_f32_same_weights`: atol 2e-4,
-rtol 1e-4). Prints JSON; exits 1 if any model differs.
+Default models: two `jaxport dream export`s of tests/fixtures/dream/task_model (a trained model): float32
+in one file, and bfloat16 in 200 kB shards with model.safetensors.index.json. Each is copied to a
+temporary folder with the original's model code (configuration_dream.py, modeling_dream.py,
+generation_utils.py from $REF_DREAM) beside the weights, as published checkpoints ship it, and loaded
+with `AutoModel.from_pretrained(dir, trust_remote_code=True)` in float32. Its logits for token rows
+(unpadded, and left-padded with the 4-D mask and position ids upstream's sampler derives) are compared
+with jaxport's `dream.load` logits (run with the project's Python) within the float32 logits tolerance
+of the fixtures (tests/fixtures/dream/tiny_sharded/case.json). Prints JSON; exits 1 if any model differs.
+`tests/test_dream_export_original.py` runs it in the suite.
 """
 
 import argparse
@@ -30,7 +30,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE_FILES = ("configuration_dream.py", "modeling_dream.py", "generation_utils.py")
-ATOL, RTOL = 2e-4, 1e-4
+TASK_MODEL = ROOT / "tests" / "fixtures" / "dream" / "task_model"
+TOLERANCE = json.loads((ROOT / "tests" / "fixtures" / "dream" / "tiny_sharded" / "case.json").read_text())["tolerances"]
+ATOL, RTOL = TOLERANCE["logits"]["atol"], TOLERANCE["logits"]["rtol"]
 
 JAXPORT_SIDE = """
 import sys, numpy as np
@@ -108,6 +110,15 @@ def check(model_dir: Path, jaxport_python: str, work: Path) -> dict:
     return report
 
 
+def export(jaxport_python: str, source: Path, output: Path, dtype: str, max_shard_size: str) -> Path:
+    """`jaxport dream export SOURCE --output OUTPUT --dtype DTYPE --max-shard-size SIZE`."""
+    argv = [jaxport_python, "-m", "jaxport.cli", "dream", "export", str(source), "--output", str(output)]
+    done = subprocess.run(argv + ["--dtype", dtype, "--max-shard-size", max_shard_size], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"jaxport dream export failed:\n{done.stderr[-3000:]}")
+    return output
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="*", default=None, help="exported Dream directories to check")
@@ -120,27 +131,10 @@ def main():
         work = Path(tmp)
         models = [Path(m) for m in args.model] if args.model else None
         if models is None:
-            fixture = ROOT / "tests" / "fixtures" / "dream" / "task_model"
-            sharded = work / "task_model_bf16_sharded"
-            subprocess.run(
-                [
-                    args.jaxport_python,
-                    "-m",
-                    "jaxport.cli",
-                    "dream",
-                    "export",
-                    str(fixture),
-                    "--output",
-                    str(sharded),
-                    "--dtype",
-                    "bfloat16",
-                    "--max-shard-size",
-                    "200KB",
-                ],
-                check=True,
-                capture_output=True,
-            )
-            models = [fixture, sharded]
+            models = [
+                export(args.jaxport_python, TASK_MODEL, work / "task_model_float32", "float32", "5GB"),
+                export(args.jaxport_python, TASK_MODEL, work / "task_model_bfloat16_sharded", "bfloat16", "200KB"),
+            ]
         reports = []
         for i, model_dir in enumerate(models):
             case = work / f"case{i}"

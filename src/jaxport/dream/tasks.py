@@ -13,13 +13,21 @@ reached 27% exact match on digits and 48% on words, every error a repeated item 
 often or too rarely. Reversing words (2 to 5) and adding two numbers below 100 learned more slowly
 still: after 1200 steps of batch 32 (32-token span) they reached 3% and 0% where sorting reached 41-56%.
 
-`train_and_test` draws a training set and a held-out test set (no test prompt occurs in training),
+Held-out problems come in two splits (`SPLITS`). Sorting 2 to 10 digits has only 1013 possible answers
+(sets of items), and a training set of thousands of problems holds nearly every one, so a prompt that
+is merely absent from training still asks for a trained answer in a new input order: `new_orders`.
+`held_out_answers()` sets aside a fixed tenth of each kind's answers of each length (none where fewer
+than ten exist: the one 10-digit answer), training never draws them, and `new_answers` asks for them.
+
+`train_and_test` draws a training set and a test split (no test prompt occurs in training),
 `write_problems` saves them as the JSONL `jaxport dream train` reads, and `evaluate` decodes the
-prompts and scores exact matches, overall and per kind (`demo_test_problems` are the held-out
-problems of the `task-demo` preset).
+prompts and scores exact matches, overall and per kind (`demo_test_problems` are the test splits of
+the `task-demo` preset).
 """
 
 import dataclasses
+import functools
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -29,9 +37,14 @@ import numpy as np
 
 from jaxport.errors import JaxportError
 
-KINDS = ("sort_digits", "sort_words")
 DEMO_TRAIN_PROBLEMS = 100_000  # the training set of `jaxport dream train --preset task-demo` (seed 0)
 WORDS = ("apple", "bird", "cat", "dog", "egg", "fish", "goat", "hat", "ice", "jar")
+# each kind's items and the numbers of them a problem sorts
+ITEMS = {"sort_digits": (tuple("0123456789"), range(2, 11)), "sort_words": (WORDS, range(2, 7))}
+KINDS = tuple(ITEMS)
+SPLITS = ("new_orders", "new_answers")
+HELD_OUT_SHARE = 10  # one answer in ten of each kind and length is never trained on
+HELD_OUT_SEED = 0  # which ones: fixed, whatever the training seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,23 +54,43 @@ class Problem:
     answer: str
 
 
+def _answer(kind: str, items) -> str:
+    ordered = sorted(items)
+    return "".join(ordered) if kind == "sort_digits" else "".join(" " + w for w in ordered)
+
+
 def make_problem(rng: np.random.Generator, kind: str) -> Problem:
-    if kind == "sort_digits":
-        digits = "".join(str(d) for d in rng.choice(10, int(rng.integers(2, 11)), replace=False))
-        return Problem(kind, f"sort {digits}=", "".join(sorted(digits)))
-    if kind == "sort_words":
-        words = [WORDS[i] for i in rng.choice(len(WORDS), int(rng.integers(2, 7)), replace=False)]
-        return Problem(kind, f"sort {' '.join(words)}=", "".join(" " + w for w in sorted(words)))
-    raise JaxportError(f"unknown task kind {kind!r}; choose from {', '.join(KINDS)}")
+    if kind not in ITEMS:
+        raise JaxportError(f"unknown task kind {kind!r}; choose from {', '.join(KINDS)}")
+    items, sizes = ITEMS[kind]
+    chosen = [items[i] for i in rng.choice(len(items), int(rng.integers(sizes.start, sizes.stop)), replace=False)]
+    shown = "".join(chosen) if kind == "sort_digits" else " ".join(chosen)
+    return Problem(kind, f"sort {shown}=", _answer(kind, chosen))
 
 
-def make_problems(count: int, seed: int, exclude: set[str] = frozenset(), kinds=KINDS) -> list[Problem]:
-    """`count` distinct problems, the kinds in turn, none whose prompt is in `exclude`."""
+@functools.cache
+def held_out_answers() -> frozenset[str]:
+    """The answers no training problem has: of each kind's answers with k items, a fixed random
+    `1 / HELD_OUT_SHARE` (rounded down)."""
+    rng = np.random.default_rng(HELD_OUT_SEED)
+    held_out = set()
+    for kind, (items, sizes) in ITEMS.items():
+        for size in sizes:
+            answers = [_answer(kind, combo) for combo in itertools.combinations(items, size)]
+            held_out.update(answers[i] for i in rng.choice(len(answers), len(answers) // HELD_OUT_SHARE, replace=False))
+    return frozenset(held_out)
+
+
+def make_problems(
+    count: int, seed: int, exclude: set[str] = frozenset(), kinds=KINDS, keep: Callable[[Problem], bool] | None = None
+) -> list[Problem]:
+    """`count` distinct problems, the kinds in turn, none whose prompt is in `exclude`, each one `keep`
+    accepts (all by default)."""
     rng = np.random.default_rng(seed)
     problems, seen = [], set(exclude)
     while len(problems) < count:
         problem = make_problem(rng, kinds[len(problems) % len(kinds)])
-        if problem.prompt not in seen:
+        if problem.prompt not in seen and (keep is None or keep(problem)):
             seen.add(problem.prompt)
             problems.append(problem)
     return problems
@@ -87,16 +120,43 @@ def read_problems(path: str | Path) -> list[Problem]:
     return problems
 
 
-def train_and_test(n_train: int, n_test: int, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
-    """A training set and a held-out test set (no test prompt occurs in training), both from `seed`; the
-    first k test problems are the same for every `n_test` >= k."""
-    train = make_problems(n_train, seed)
-    return train, make_problems(n_test, seed + 1, exclude={p.prompt for p in train})
+def training_problems(count: int, seed: int = 0) -> tuple[Problem, ...]:
+    """`count` training problems, none of whose answers is in `held_out_answers()`."""
+    return _training_problems(count, seed)
 
 
-def demo_test_problems(count: int = 256, seed: int = 0) -> list[Problem]:
-    """Held-out problems of the `task-demo` preset trained with `seed`."""
-    return train_and_test(DEMO_TRAIN_PROBLEMS, count, seed)[1]
+@functools.lru_cache(maxsize=2)  # the demo's 100k problems take seconds to draw, and every test split needs them
+def _training_problems(count: int, seed: int) -> tuple[Problem, ...]:
+    held_out = held_out_answers()
+    return tuple(make_problems(count, seed, keep=lambda p: p.answer not in held_out))
+
+
+def held_out_problems(train, count: int, seed: int = 0, split: str = "new_orders") -> list[Problem]:
+    """`count` problems of `split` for a model trained on `train`, none with a prompt of `train`:
+    `new_orders`, answers `train` has (its items in a new order); `new_answers`, answers it never has
+    (`held_out_answers()`). The first k problems are the same for every `count` >= k."""
+    if split not in SPLITS:
+        raise JaxportError(f"unknown test split {split!r}; choose from {', '.join(SPLITS)}")
+    prompts, trained = {p.prompt for p in train}, {p.answer for p in train}
+    answers = trained if split == "new_orders" else held_out_answers() - trained
+    if not answers:
+        raise JaxportError(
+            f"no {split} test problems: the training set has {len(trained)} answers, of them "
+            f"{len(trained & held_out_answers())} of the {len(held_out_answers())} held out"
+        )
+    offset = 1 + SPLITS.index(split)
+    return make_problems(count, seed + offset, exclude=prompts, keep=lambda p: p.answer in answers)
+
+
+def train_and_test(n_train: int, n_test: int, seed: int = 0, split: str = "new_orders"):
+    """A training set and a test set of `split`, both from `seed`."""
+    train = training_problems(n_train, seed)
+    return train, held_out_problems(train, n_test, seed, split)
+
+
+def demo_test_problems(count: int = 256, seed: int = 0, split: str = "new_orders") -> list[Problem]:
+    """Test problems of `split` for the `task-demo` preset trained with `seed`."""
+    return train_and_test(DEMO_TRAIN_PROBLEMS, count, seed, split)[1]
 
 
 def evaluate(

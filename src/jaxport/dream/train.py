@@ -87,14 +87,16 @@ class TrainConfig:
 
 # Named recipes: settings, and a function that prepares their data and tokenizer in the run folder.
 def _prepare_task_demo(cfg: TrainConfig) -> TrainConfig:
-    """The synthetic-task model (`jaxport.dream.tasks`): data and a byte-level BPE trained on it."""
+    """The synthetic-task model (`jaxport.dream.tasks`): data (no answer of `tasks.held_out_answers()`), its
+    test splits, and a byte-level BPE trained on the training problems."""
     folder = Path(cfg.out_dir) / "task"
     train_path = folder / "train.jsonl"
     if not train_path.is_file() and jax.process_index() == 0:
-        train, test = tasks.train_and_test(tasks.DEMO_TRAIN_PROBLEMS, 256, seed=cfg.seed)
-        tasks.write_problems(train, train_path)
-        tasks.write_problems(test, folder / "test.jsonl")
+        train = tasks.training_problems(tasks.DEMO_TRAIN_PROBLEMS, seed=cfg.seed)
+        for split in tasks.SPLITS:
+            tasks.write_problems(tasks.held_out_problems(train, 256, cfg.seed, split), folder / f"test_{split}.jsonl")
         train_tokenizer((text for p in train for text in (p.prompt, p.answer)), folder / "tokenizer", vocab_size=512)
+        tasks.write_problems(train, train_path)  # last: its presence means the folder is complete
     return dataclasses.replace(
         cfg, data=cfg.data or str(train_path), tokenizer=cfg.tokenizer or str(folder / "tokenizer")
     )
