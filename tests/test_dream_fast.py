@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxport import cli, dream
-from jaxport.dream.generate import padding_inputs
+from jaxport.dream import fast
+from jaxport.dream.program import padding_inputs, prepare_generation
 from jaxport.errors import JaxportError
 
 CASE = Path(__file__).parent / "fixtures" / "dream" / "tiny_sharded"
@@ -38,6 +39,13 @@ def inputs():
 
 def generate(model, inputs, **kwargs):
     out = model.diffusion_generate(*inputs, output_history=True, output_scores=True, **kwargs)
+    return {name: np.asarray(getattr(out, name)) for name in RECORDS}
+
+
+def refreshed(model, inputs, **kwargs):
+    """`generate` with the block cache rebuilt from the current canvas before every step (the private test hook)."""
+    prepared = prepare_generation(model, *inputs, output_history=True, output_scores=True, blockwise=True, **kwargs)
+    out = fast.blocks_output(fast._run_blocks(model, prepared, refresh=True))
     return {name: np.asarray(getattr(out, name)) for name in RECORDS}
 
 
@@ -90,7 +98,7 @@ def test_cache_refreshed_every_step_equals_cache_free(model, inputs, setting):
     """Batch 2 with left padding: reading a freshly refreshed cache gives the cache-free block path's tokens."""
     kwargs = dict(max_new_tokens=16, rng=jax.random.key(5), **setting)
     free = generate(model, inputs, **{**kwargs, "cache": None})
-    cached = generate(model, inputs, refresh_cache_every_step=True, **kwargs)
+    cached = refreshed(model, inputs, **kwargs)
     for name in ("sequences", "history", "n_transfer", "x0"):
         np.testing.assert_array_equal(cached[name], free[name], err_msg=name)
     assert not (free["sequences"] == model.config.mask_token_id).any()
@@ -312,7 +320,7 @@ def test_cli_fast_flags(capsys):
         == 0
     )
     result = json.loads(capsys.readouterr().out)
-    assert result["generation_args"] == {"block_length": 4, "cache": "dual", "threshold": None}
+    assert result["generation_args"] == {"block_length": 4, "cache": "dual"}
     assert result["results"][0]["new_tokens_per_s"] > 0
 
 
@@ -321,6 +329,8 @@ import json, sys
 import jax, numpy as np
 from jaxport import dream
 from jaxport.distributed import make_mesh
+from jaxport.dream import fast
+from jaxport.dream.program import prepare_generation
 
 case = sys.argv[1]
 model, _ = dream.load(case + "/model", mesh=make_mesh(data=2, fsdp=1, model=4))
@@ -331,10 +341,11 @@ for name, kwargs in [
         ("entropy_prefix", dict(alg="entropy", steps=8, block_length=8, cache="prefix")),
         ("maskgit_dual", dict(alg="maskgit_plus", steps=16, block_length=8, cache="dual", threshold=0.3, top_k=5)),
         ("origin_dual", dict(alg="origin", steps=16, block_length=4, cache="dual", rng=jax.random.key(4)))]:
-    gen = lambda **extra: np.asarray(model.diffusion_generate(ids, mask, max_new_tokens=16, output_history=True,
-                                                              **{**kwargs, **extra}).history)
-    free = gen(cache=None)
-    report[name] = bool(np.array_equal(gen(refresh_cache_every_step=True), free))
+    free = np.asarray(model.diffusion_generate(ids, mask, max_new_tokens=16, output_history=True,
+                                               **{**kwargs, "cache": None}).history)
+    prepared = prepare_generation(model, ids, mask, max_new_tokens=16, output_history=True, **kwargs)
+    cached = fast.blocks_output(fast._run_blocks(model, prepared, refresh=True)).history
+    report[name] = bool(np.array_equal(np.asarray(cached), free))
     report[name + "_tokens"] = free[-1].tolist()
 print(json.dumps(report))
 """
