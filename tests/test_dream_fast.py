@@ -364,3 +364,20 @@ def test_cache_on_a_mesh_of_eight_devices(model, inputs):
         *inputs, max_new_tokens=16, alg="maskgit_plus", steps=16, block_length=8, threshold=0.3, top_k=5
     )
     np.testing.assert_array_equal(np.asarray(report["maskgit_dual_tokens"]), np.asarray(one_device.sequences))
+
+
+@pytest.mark.parametrize("fast", [{}, dict(block_length=8, cache="dual", threshold=0.3)], ids=["exact", "block-wise"])
+def test_a_prompt_that_fills_its_bucket_decodes_alone_as_beside_a_shorter_one(loaded, fast):
+    """A prompt as long as its bucket has an all-ones attention mask unless a shorter prompt pads its batch. The
+    mask is applied either way, so at one batch size its row runs the same attention beside a full prompt as beside
+    a padded one, score for score, bit for bit; alone (batch 1, other kernels) it gets the same tokens."""
+    model, tokenizer = loaded
+    long, short = "def add(a, b):\n    return a + b", "x ="
+    width = len(tokenizer.encode(long))
+    alone, full, padded = (tokenizer(texts, pad_to=width) for texts in ([long], [long, long], [long, short]))
+    assert alone[1].all() and full[1].all() and not padded[1].all()
+    kwargs = dict(max_new_tokens=16, steps=16, alg="entropy", output_scores=True, **fast)
+    one, two, mixed = (model.diffusion_generate(*inputs, **kwargs) for inputs in (alone, full, padded))
+    np.testing.assert_array_equal(np.asarray(two.confidence)[:, 0], np.asarray(mixed.confidence)[:, 0])
+    for out in (two, mixed):
+        np.testing.assert_array_equal(np.asarray(one.sequences)[0], np.asarray(out.sequences)[0])

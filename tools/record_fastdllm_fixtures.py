@@ -13,15 +13,18 @@ lengths so that Fast-dLLM's prefix cache runs them batched. Every case is greedy
 
 For each case `case.json` holds Fast-dLLM's settings, jaxport's equivalent, the new tokens Fast-dLLM produced
 per batch size, and per row the smallest decision margin jaxport's own scores show (the gap between the last
-unmasked and the first kept confidence at a ranked step; the distance of a probability from the threshold at a
-threshold step). A margin of 0 is an exact tie, where the order is implementation-defined (`torch.topk` against
-jaxport's leftmost rule); such rows are listed under `ties` and tested against jaxport's rule instead.
+unmasked and the first kept confidence at a ranked step, relative to their size; the distance of a probability
+from the threshold at a threshold step). A margin of 0 is an exact tie, where the order is implementation-defined
+(`torch.topk` against jaxport's leftmost rule): such rows are listed under `ties`; rows under `near_ties` (below
+`NEAR_TIE`) may be ordered differently by float rounding alone. The tests claim Fast-dLLM's tokens for the
+other rows only.
 """
 
 import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,11 +33,12 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-HARNESS = REPO.parent / "shared" / "originals" / "bench" / "dream" / "bench_fastdllm.py"
 FIXTURE = REPO / "tests" / "fixtures" / "dream" / "fastdllm"
 TASK_MODEL = REPO / "tests" / "fixtures" / "dream" / "task_model"
 COMMAND = 'eval "$(../shared/originals/setup)" && python tools/record_fastdllm_fixtures.py'
 BLOCK = 32
+FASTDLLM_TOP_K = 50  # what Fast-dLLM decodes with when a call gives no top_k (see jaxport_settings)
+NEAR_TIE = 1e-5  # relative margin under which torch's and XLA's float rounding may order two scores differently
 PROMPTS = 8  # per model; a case uses the first `rows`
 
 # name: (model, new tokens, steps, cache, Fast-dLLM's alg, Fast-dLLM's batch sizes, rows)
@@ -56,9 +60,12 @@ CASES = {
 
 def jaxport_settings(new_tokens: int, steps: int, cache: str, alg: str) -> dict:
     """jaxport's arguments for a Fast-dLLM run: its `confidence_threshold` ranks by the candidate's probability
-    (`maskgit_plus`) and unmasks what reaches 0.9; its other algorithms rank by negative entropy."""
+    (`maskgit_plus`) and unmasks what reaches 0.9; its other algorithms rank by negative entropy. `top_k=50`:
+    given no `top_k`, Fast-dLLM's `DreamGenerationConfig.from_model_config` takes transformers' `PretrainedConfig`
+    default (50; `top_p` 1.0, no filter), so the scores it ranks are those of the 50 likeliest tokens."""
     threshold = alg == "confidence_threshold"
     return dict(
+        top_k=FASTDLLM_TOP_K,
         max_new_tokens=new_tokens,
         steps=steps,
         block_length=BLOCK,
@@ -102,10 +109,20 @@ def random_prompts(config) -> list[list[int]]:
     return np.random.default_rng(0).integers(0, low, (PROMPTS, 12)).tolist()
 
 
+def harness() -> Path:
+    """The harness beside the originals that `setup` points at (`REF_FASTDLLM`), else beside this checkout."""
+    originals = (
+        Path(os.environ["REF_FASTDLLM"]).parent
+        if os.environ.get("REF_FASTDLLM")
+        else REPO.parent / "shared" / "originals"
+    )
+    return originals / "bench" / "dream" / "bench_fastdllm.py"
+
+
 def run_fastdllm(model_dir: Path, prompts: Path, rows: int, new_tokens, steps, cache, alg, batches, out: Path):
     command = [
         os.environ["REF_PY"],
-        str(HARNESS),
+        str(harness()),
         "--model",
         str(model_dir),
         "--prompt-ids",
@@ -138,9 +155,10 @@ def run_fastdllm(model_dir: Path, prompts: Path, rows: int, new_tokens, steps, c
     return json.loads(out.read_text())
 
 
-def margins(model, ids: np.ndarray, settings: dict) -> list[float]:
-    """Per row, the smallest gap jaxport's scores leave at a decision (see the module docstring)."""
-    out = model.diffusion_generate(ids, output_scores=True, output_history=True, **settings)
+def margins(model, ids: np.ndarray, settings: dict) -> tuple[list[float], np.ndarray]:
+    """Per row, the smallest gap jaxport's scores leave at a decision (see the module docstring), and jaxport's
+    new tokens."""
+    out = model.diffusion_generate(ids, output_scores=True, **settings)
     confidence, n_transfer = np.asarray(out.confidence, np.float64), np.asarray(out.n_transfer)
     L, threshold = ids.shape[1], settings["threshold"]
     steps_per_block = confidence.shape[0] // (settings["max_new_tokens"] // BLOCK)
@@ -160,8 +178,18 @@ def margins(model, ids: np.ndarray, settings: dict) -> list[float]:
                     gaps = np.append(gaps, scores[0] - scores[1])
                 smallest[row] = min(smallest[row], gaps.min())
             elif n < len(scores):
-                smallest[row] = min(smallest[row], scores[n - 1] - scores[n])
-    return [float(m) for m in smallest]
+                a, b = scores[n - 1], scores[n]
+                smallest[row] = min(smallest[row], (a - b) / max(abs(a), abs(b), 1e-30))
+    return [float(m) for m in smallest], np.asarray(out.sequences)[:, L:]
+
+
+def write_fixture(path: Path, fixture: dict):
+    """JSON with every list of numbers on one line (a generated row per line): readable and small."""
+    text = json.dumps(fixture, indent=1)
+    text = re.sub(
+        r"\[\s*([-+\d.e,\s]+?)\s*\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text
+    )
+    path.write_text(text + "\n")
 
 
 def main():
@@ -191,7 +219,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name, (kind, new_tokens, steps, cache, alg, batches, rows) in CASES.items():
             if name not in chosen:
-                cases[name] = previous[name]
+                if name in previous:
+                    cases[name] = previous[name]
                 continue
             report = run_fastdllm(
                 models[kind], prompt_files[kind], rows, new_tokens, steps, cache, alg, batches, Path(tmp) / "out.json"
@@ -202,7 +231,24 @@ def main():
                 str(result["batch"]): [row[ids.shape[1] :] for row in result["sequences"]]
                 for result in report["results"]
             }
-            row_margins = margins(loaded[kind], ids, settings)
+            by_size = {}
+            for size, theirs in generated.items():
+                # jaxport in batches of Fast-dLLM's size: its scheduled count is the batch's average, which
+                # couples the rows of a batch
+                chunks = [margins(loaded[kind], ids[i : i + int(size)], settings) for i in range(0, rows, int(size))]
+                row_margins = [m for chunk, _ in chunks for m in chunk]
+                ours = np.concatenate([tokens for _, tokens in chunks])
+                by_size[size] = {
+                    "margins": row_margins,
+                    "ties": [row for row, m in enumerate(row_margins) if m == 0],
+                    "near_ties": [row for row, m in enumerate(row_margins) if 0 < m < NEAR_TIE],
+                }
+                equal = int((np.asarray(theirs) == ours).all(axis=1).sum())
+                print(
+                    f"{name} batch {size}: margins {[f'{m:.2e}' for m in row_margins]}; "
+                    f"{equal} of {rows} rows equal to jaxport's",
+                    file=sys.stderr,
+                )
             cases[name] = {
                 "model": str(models[kind].relative_to(REPO)),
                 "prompts": str(prompt_files[kind].relative_to(REPO)),
@@ -218,10 +264,8 @@ def main():
                 },
                 "jaxport": settings,
                 "generated": generated,
-                "margins": row_margins,
-                "ties": [row for row, m in enumerate(row_margins) if m == 0],
+                "decisions": by_size,
             }
-            print(f"{name}: margins {[f'{m:.2e}' for m in row_margins]}", file=sys.stderr)
     fixture = {
         "what": "new tokens of Fast-dLLM's diffusion_generate (generation_utils_block.py), greedy, per batch size",
         "command": COMMAND,
@@ -232,9 +276,7 @@ def main():
         "jaxport unmasks the leftmost first",
         "cases": cases,
     }
-    text = json.dumps(fixture, indent=1)
-    # one line per generated row keeps the file readable and small
-    case_file.write_text(text + "\n")
+    write_fixture(case_file, fixture)
     print(f"wrote {case_file} ({case_file.stat().st_size // 1024} KB)")
 
 

@@ -18,9 +18,9 @@ count is shared by the batch; block-wise counts are per row), padding is invisib
 every batch passes its attention mask, so a prompt that fills its bucket runs the same attention alone
 as beside padded rows.
 So greedy decoding (temperature 0 and an algorithm that draws nothing: not `origin`, no `alg_temp`)
-gives the same text alone or in any batch (bit for bit on XLA:CPU, tested; an accelerator may pick
-other kernels for another batch size, which can move the last bits of a score and so, rarely, break
-a near-tie differently).
+gives the same text alone or in any batch (tested). At one batch size a row's scores are the same bit for
+bit whatever the other rows hold (tested); another batch size may run other kernels, which can move the
+last bits of a score and so, rarely, break a near-tie differently.
 
 Sampling draws one key for the whole batch, so a request with a `seed` that samples runs as a batch
 of its own, under the key made from the seed: the same seed gives the same text. Without a seed,

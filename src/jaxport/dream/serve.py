@@ -208,7 +208,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {error['msg']}")
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)[1:]
-    return APIError(400, f"{path}: {error['msg']}", str(loc[0]))
+    # jaxport's own rules (jaxport.dream.settings) say what is expected and the value given
+    message = error["ctx"]["error"] if error["type"] == "value_error" else error["msg"]
+    return APIError(400, f"{path}: {message}", str(loc[0]))
 
 
 def _generation_error(err: Exception) -> APIError:
