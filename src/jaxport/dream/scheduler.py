@@ -90,10 +90,12 @@ class BatchKey:
         return s.temperature > 0 or s.alg == "origin" or bool(s.alg_temp)
 
     def describe(self) -> str:
-        given = self.settings.model_dump(exclude_none=True)
-        return ", ".join(
-            [f"prompt {self.prompt_len} + {self.new_tokens} new tokens"] + [f"{k} {v}" for k, v in given.items()]
+        """The settings that are set, by name (eps and schedule only where not at their defaults)."""
+        defaults = {"eps": 1e-3, "schedule": "jaxport"}
+        given = sorted(
+            (k, v) for k, v in self.settings.model_dump(exclude_none=True).items() if defaults.get(k, None) != v
         )
+        return ", ".join([f"prompt {self.prompt_len} + {self.new_tokens} new tokens"] + [f"{k} {v}" for k, v in given])
 
 
 def generated_ids(span: np.ndarray, stop_ids: set[int], mask_token_id: int) -> tuple[list[int], bool, bool]:
