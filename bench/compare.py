@@ -304,7 +304,7 @@ def fastdllm(tmp: Path, quick: bool):
     jaxport_bench("dream_fastdllm.py", "prepare", "task", str(task), "--prompts", "8" if quick else "64")
     jaxport_bench("dream_fastdllm.py", "prepare", "tiny" if quick else "40m", str(big), "--prompts", "4")
     model = {task: str(REPO / "tests" / "fixtures" / "dream" / "task_model"), big: str(big / "model")}
-    new = "128" if quick else "256"
+    new, big_name = ("128", "tiny") if quick else ("256", "40M")
     cases = [  # (label, inputs, decoding flags, Fast-dLLM's batch sizes, jaxport's)
         (
             "(a) task model, threshold 0.9, dual",
@@ -314,14 +314,14 @@ def fastdllm(tmp: Path, quick: bool):
             [1, 8],
         ),
         (
-            "(b) 40M random, entropy, dual",
+            f"(b) {big_name} random, entropy, dual",
             big,
             ["--max-new-tokens", new, "--steps", new, "--dual-cache", "--alg", "entropy"],
             [1],
             [1, 4],
         ),
         (
-            "(b) 40M random, entropy, prefix",
+            f"(b) {big_name} random, entropy, prefix",
             big,
             ["--max-new-tokens", new, "--steps", new, "--alg", "entropy"],
             [1, 4],
