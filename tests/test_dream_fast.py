@@ -140,7 +140,12 @@ def test_blocks_fill_left_to_right_and_threshold_unmasks_in_parallel(model, inpu
 
 @pytest.mark.parametrize(
     "alg, fast",
-    [("maskgit_plus", {}), ("entropy", dict(block_length=8)), ("topk_margin", dict(block_length=4, cache="dual"))],
+    [
+        ("maskgit_plus", {}),
+        ("entropy", dict(block_length=8)),
+        ("topk_margin", dict(block_length=4, cache="dual")),
+        ("entropy", dict(block_length=8, cache="prefix", schedule="fastdllm")),
+    ],
 )
 def test_saturated_confidence_ties_unmask_leftmost_first(model, inputs, alg, fast):
     """top_k=1 leaves one token per position, so every confidence is equal (1, 1 or 0): the tie rule alone
