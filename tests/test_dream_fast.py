@@ -220,6 +220,9 @@ def test_tokens_hook_and_progress_block_wise(model, inputs):
         (dict(threshold=0.0), r"threshold: must be in \(0, 1\], got 0.0"),
         (dict(threshold=1.5, block_length=4), r"threshold: must be in \(0, 1\], got 1.5"),
         (dict(cache="full", block_length=4), r"cache: must be None, 'prefix' or 'dual', got 'full'"),
+        (dict(schedule="fast"), r"schedule: unknown schedule 'fast'; choose one of jaxport, fastdllm"),
+        (dict(schedule="fastdllm"), r"alg: schedule 'fastdllm' ranks the block's masks by confidence"),
+        (dict(block_len=4), r"block_len: unknown generation argument"),
         (
             dict(cache="dual", generation_logits_hook_func=lambda s, x, lg: lg),
             r"generation_logits_hook_func: not available block-wise",
@@ -255,6 +258,30 @@ def test_text_in_text_out(loaded):
     assert dream.generate(model, tokenizer, chat, **fast) == texts[1]
     with pytest.raises(JaxportError, match=r"prompts: expected a string, a list of chat messages"):
         dream.generate(model, tokenizer, [], max_new_tokens=16)
+
+
+ALIAS_SCRIPT = r"""
+import sys, warnings
+from jaxport import dream
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import jaxport.dream.generate as old
+assert any(issubclass(w.category, DeprecationWarning) for w in caught), caught
+assert old.diffusion_generate is dream.diffusion_generate and dream.generate is old
+model, tokenizer = dream.load(sys.argv[1])
+print(dream.generate(model, tokenizer, "def add(a, b):", max_new_tokens=4, steps=2, alg="entropy") ==
+      dream.text.generate(model, tokenizer, "def add(a, b):", max_new_tokens=4, steps=2, alg="entropy"))
+"""
+
+
+def test_the_old_generate_module_is_a_deprecated_alias():
+    """`jaxport.dream.generate` (the module, split into decoding/program/sampling/settings) warns on import and,
+    while the alias lives, rebinds `dream.generate` to a module that still answers as the text API."""
+    result = subprocess.run(
+        [sys.executable, "-c", ALIAS_SCRIPT, str(CASE / "model")], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_cli_fast_flags(capsys):
@@ -295,6 +322,11 @@ def test_cli_fast_flags(capsys):
         cache="dual",
         threshold=0.3,
     )
+    assert cli.main(args + ["--schedule", "fastdllm", "--top-k", "50"]) == 0
+    completion = json.loads(capsys.readouterr().out.splitlines()[-1])["completion"]
+    fastdllm = dict(block_length=4, cache="dual", threshold=0.3, schedule="fastdllm", top_k=50)
+    expected = dream.generate(model, tokenizer, "def add(a, b):", max_new_tokens=16, steps=8, alg="entropy", **fastdllm)
+    assert completion == expected
     assert cli.main(args[:-6] + ["--cache", "full"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "jaxport dream: error: cache: must be None, 'prefix' or 'dual', got 'full'"
