@@ -9,10 +9,10 @@ peak. `bench/compare.py --only fastdllm` runs it beside `../shared/originals/ben
         --block-length 32 --dual-cache --alg confidence_threshold --threshold 0.9 --batches 1,8 --runs 3
 
 `run` takes the harness's flags and Fast-dLLM's `--alg` names (`confidence_threshold`, else the scheduled entropy
-ranking) and decodes as Fast-dLLM does (`top_k=50`, what Fast-dLLM decodes with when a call gives none; see
-`tools/record_fastdllm_fixtures.py`). Batches of several rows are left-padded with the pad id and an attention
-mask, as the harness pads them. Warm-up: one untimed batch of each prompt shape (jaxport's compilation, reported
-as `compile_s`; Fast-dLLM has nothing to compile and the harness warms up on one batch).
+ranking) and decodes as Fast-dLLM does (`jaxport.dream.settings.fastdllm_settings`). Batches of several rows are
+left-padded with the pad id and an attention mask, as the harness pads them. Warm-up: one untimed batch of each
+prompt shape (jaxport's compilation, reported as `compile_s`; Fast-dLLM has nothing to compile and the harness
+warms up on one batch).
 """
 
 import argparse
@@ -28,9 +28,9 @@ from _common import emit, environment, peak_rss_bytes, utilisation
 
 from jaxport import dream
 from jaxport.dream.params import load_model, save_pretrained
+from jaxport.dream.settings import fastdllm_settings
 
 TASK_MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "dream" / "task_model"
-FASTDLLM_TOP_K = 50
 
 
 def prepare(args):
@@ -51,17 +51,14 @@ def prepare(args):
 
 
 def settings(args) -> dict:
-    threshold = args.alg == "confidence_threshold"
-    return dict(
-        max_new_tokens=args.max_new_tokens,
+    s = fastdllm_settings(
         steps=args.steps,
+        alg=args.alg,
+        threshold=args.threshold,
         block_length=args.block_length,
-        cache="dual" if args.dual_cache else "prefix",
-        schedule="fastdllm",
-        alg="maskgit_plus" if threshold else "entropy",
-        threshold=args.threshold if threshold else None,
-        top_k=FASTDLLM_TOP_K,
+        dual_cache=args.dual_cache,
     )
+    return {"max_new_tokens": args.max_new_tokens, **s}
 
 
 def batches(rows: list[list[int]], size: int, pad: int):

@@ -32,12 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxport.dream.settings import GenerationSettings, fastdllm_settings
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "dream" / "fastdllm"
 TASK_MODEL = REPO / "tests" / "fixtures" / "dream" / "task_model"
 COMMAND = 'eval "$(../shared/originals/setup)" && python tools/record_fastdllm_fixtures.py'
 BLOCK = 32
-FASTDLLM_TOP_K = 50  # what Fast-dLLM decodes with when a call gives no top_k (see jaxport_settings)
 NEAR_TIE = 1e-5  # relative margin under which torch's and XLA's float rounding may order two scores differently
 PROMPTS = 8  # per model; a case uses the first `rows`
 
@@ -59,21 +60,9 @@ CASES = {
 
 
 def jaxport_settings(new_tokens: int, steps: int, cache: str, alg: str) -> dict:
-    """jaxport's arguments for a Fast-dLLM run: its `confidence_threshold` ranks by the candidate's probability
-    (`maskgit_plus`) and unmasks what reaches 0.9; its other algorithms rank by negative entropy. `top_k=50`:
-    given no `top_k`, Fast-dLLM's `DreamGenerationConfig.from_model_config` takes transformers' `PretrainedConfig`
-    default (50; `top_p` 1.0, no filter), so the scores it ranks are those of the 50 likeliest tokens."""
-    threshold = alg == "confidence_threshold"
-    return dict(
-        top_k=FASTDLLM_TOP_K,
-        max_new_tokens=new_tokens,
-        steps=steps,
-        block_length=BLOCK,
-        cache=cache,
-        schedule="fastdllm",
-        alg="maskgit_plus" if threshold else "entropy",
-        threshold=0.9 if threshold else None,
-    )
+    """jaxport's arguments for the harness's call (greedy, threshold 0.9, blocks of 32, no top_k)."""
+    settings = fastdllm_settings(steps=steps, alg=alg, block_length=BLOCK, dual_cache=cache == "dual")
+    return {"max_new_tokens": new_tokens, **GenerationSettings.of(**settings).arguments()}
 
 
 def write_random_model(task_config):

@@ -166,3 +166,38 @@ def settings_error(err: ValidationError) -> JaxportError:
     if error["type"] == "extra_forbidden":
         return JaxportError(f"{name}: unknown generation argument")
     return JaxportError(f"{name}: {error['msg']}, got {error['input']!r}")
+
+
+FASTDLLM_TOP_K = 50  # transformers' PretrainedConfig default, which reaches Fast-dLLM's generation config
+
+
+def fastdllm_settings(
+    *,
+    steps: int,
+    alg: str = "origin",
+    threshold: float = 0.9,
+    block_length: int = 32,
+    dual_cache: bool = False,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    alg_temp: float | None = None,
+) -> dict:
+    """The `diffusion_generate` settings that decode as Fast-dLLM's `diffusion_generate` (generation_utils_block.py)
+    called with these arguments and defaults. Its `confidence_threshold` ranks by the candidate's probability
+    (`maskgit_plus`); every other `alg` is its scheduled decoding, ranked by negative entropy. A call without
+    `top_k` decodes with 50 there: `DreamGenerationConfig.from_model_config` takes transformers' `PretrainedConfig`
+    defaults (top_k 50, top_p 1.0, which filters nothing)."""
+    by_threshold = alg == "confidence_threshold"
+    return dict(
+        steps=steps,
+        alg="maskgit_plus" if by_threshold else "entropy",
+        threshold=threshold if by_threshold else None,
+        block_length=block_length,
+        cache="dual" if dual_cache else "prefix",
+        schedule="fastdllm",
+        temperature=temperature,
+        top_p=top_p,
+        top_k=FASTDLLM_TOP_K if top_k is None else top_k,
+        alg_temp=alg_temp,
+    )
