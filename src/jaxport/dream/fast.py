@@ -85,6 +85,7 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, program: Program, refres
     steps = program.block_steps(N - program.first)
     start = program.first + block * width
     mask, position_ids = padding_inputs(valid_BN, B, N)
+    # the schedule of `steps / blocks` steps (unread under Fast-dLLM's threshold, whose budget may be longer)
     ratios = jnp.asarray(transfer_ratios(settings.steps // ((N - program.first) // width), settings.eps))
     lead = 0 if fastdllm else 1  # the cached windows start this many positions before the block
     # block position j is scored from window row j + lead - 1 (Fast-dLLM: the first from itself)
