@@ -1,5 +1,6 @@
 """Record what Fast-dLLM's own Dream decoding produces, as the fixture `tests/test_dream_fastdllm.py` holds jaxport's
-`schedule="fastdllm"` to. One command records everything (about a minute on two cores):
+`schedule="fastdllm"` to. One command records everything (minutes on two cores; Fast-dLLM's 256-token
+prefix-cache runs are the long part):
 
     eval "$(../shared/originals/setup)"          # REF_PY: the originals' Python, with Fast-dLLM's code
     python tools/record_fastdllm_fixtures.py     # -> tests/fixtures/dream/fastdllm/
