@@ -281,6 +281,110 @@ def dream(tmp: Path, quick: bool, new_tokens: int = 64):
     ]
 
 
+# -- fastdllm: Fast-dLLM's own decoding against jaxport's schedule="fastdllm", same inputs, same passes
+
+FASTDLLM_THREADS = str(os.cpu_count())  # torch's threads; XLA:CPU uses every core
+TORCH_PEAK = """import json, statistics, sys, time, torch
+torch.set_num_threads(int(sys.argv[1])); a = torch.randn(2048, 2048); a @ a; times = []
+for _ in range(5):
+    t = time.perf_counter(); a @ a; times.append(time.perf_counter() - t)
+print(json.dumps(2 * 2048**3 / statistics.median(times)))"""
+
+
+def fastdllm(tmp: Path, quick: bool):
+    """Issue workloads: (a) the task model, 128 new tokens, blocks of 32, dual cache, `confidence_threshold` 0.9,
+    64 held-out prompts, Fast-dLLM at batch 1 against jaxport at batch 1 and 8; (b) the 40M config's random weights
+    written once as a Hugging Face folder, equal-length prompts, 256 new tokens in 256 steps, blocks of 32, the
+    scheduled entropy ranking, dual cache (Fast-dLLM at batch 1 against jaxport at 1 and 4) and prefix cache (both
+    at 1 and 4). Each side: median of 3 timed passes over all prompts after its warm-up; tokens compared in the
+    same run (rows equal to Fast-dLLM's, and jaxport's batched rows equal to its batch-1 rows)."""
+    runs = ["--runs", "1" if quick else "3"]
+    torch_peak = json.loads(run([os.environ["REF_PY"], "-c", TORCH_PEAK, FASTDLLM_THREADS])[0])
+    task, big = tmp / "fastdllm_task", tmp / "fastdllm_40m"
+    jaxport_bench("dream_fastdllm.py", "prepare", "task", str(task), "--prompts", "8" if quick else "64")
+    jaxport_bench("dream_fastdllm.py", "prepare", "tiny" if quick else "40m", str(big), "--prompts", "4")
+    model = {task: str(REPO / "tests" / "fixtures" / "dream" / "task_model"), big: str(big / "model")}
+    new, big_name = ("128", "tiny") if quick else ("256", "40M")
+    cases = [  # (label, inputs, decoding flags, Fast-dLLM's batch sizes, jaxport's)
+        (
+            "(a) task model, threshold 0.9, dual",
+            task,
+            ["--max-new-tokens", "128", "--steps", "128", "--dual-cache", "--alg", "confidence_threshold"],
+            [1],
+            [1, 8],
+        ),
+        (
+            f"(b) {big_name} random, entropy, dual",
+            big,
+            ["--max-new-tokens", new, "--steps", new, "--dual-cache", "--alg", "entropy"],
+            [1],
+            [1, 4],
+        ),
+        (
+            f"(b) {big_name} random, entropy, prefix",
+            big,
+            ["--max-new-tokens", new, "--steps", new, "--alg", "entropy"],
+            [1, 4],
+            [1, 4],
+        ),
+    ]
+    rows = []
+    for label, inputs, flags, theirs, ours in cases:
+        common = ["--model", model[inputs], "--prompt-ids", str(inputs / "prompts.jsonl"), "--block-length", "32"]
+        up, up_rss = original(
+            "dream/bench_fastdllm.py",
+            *common,
+            *flags,
+            *runs,
+            "--warmup",
+            "1",
+            "--threads",
+            FASTDLLM_THREADS,
+            "--batches",
+            ",".join(map(str, theirs)),
+            out=tmp / "fastdllm.json",
+        )
+        mine, rss = jaxport_bench(
+            "dream_fastdllm.py", "run", *common, *flags, *runs, "--batches", ",".join(map(str, ours))
+        )
+        by_batch = {r["batch"]: r for r in mine}
+        alone = by_batch[1]["sequences"]
+        for result in up["results"]:
+            if "median_s" not in result:
+                continue
+            for size in ours if result["batch"] == 1 else [result["batch"]]:
+                if size < result["batch"]:
+                    continue
+                r = by_batch[size]
+                equal = [a == b for a, b in zip(result["sequences"], r["sequences"])]
+                as_alone = sum(a == b for a, b in zip(alone, r["sequences"]))
+                rows.append(
+                    (
+                        f"fastdllm {label}: Fast-dLLM batch {result['batch']}, jaxport batch {size}",
+                        result["median_s"],
+                        r["median_s"],
+                        {
+                            "rows_equal": f"{sum(equal)}/{len(equal)}",
+                            "jaxport_rows_equal_to_its_batch_1": f"{as_alone}/{len(alone)}",
+                            "original_new_tokens_per_s": round(result["new_tokens_per_s"], 1),
+                            "jaxport_new_tokens_per_s": r["new_tokens_per_s"],
+                            "original_fraction_of_peak": round(
+                                r["algorithm_flops"] / result["median_s"] / torch_peak, 3
+                            ),
+                            "jaxport_fraction_of_peak": r.get("fraction_of_peak"),
+                            "original_matmul_peak_gflops": round(torch_peak / 1e9, 1),
+                            "jaxport_matmul_peak_gflops": r.get("matmul_peak_gflops"),
+                            "original_times_s": [round(t, 3) for t in result["times_s"]],
+                            "jaxport_times_s": r["times_s"],
+                            "jaxport_compile_s": r["compile_s"],
+                            "original_peak_rss": up_rss,
+                            "jaxport_peak_rss": rss,
+                        },
+                    )
+                )
+    return rows
+
+
 WORKLOADS = {  # name -> (each side of a round takes under a minute, function)
     "trm_step": (False, trm_step),
     "gpt_step": (True, lambda tmp, quick: gpt_step(tmp, quick)),
@@ -289,6 +393,7 @@ WORKLOADS = {  # name -> (each side of a round takes under a minute, function)
     "trm_loop": (True, trm_loop),  # 30-40 s a side, and its ratio moved 1.08-1.40 within one hour (2026-11-26)
     "dream_64": (True, dream),
     "dream_256": (False, lambda tmp, quick: dream(tmp, quick, 256)),
+    "fastdllm": (False, fastdllm),  # each side times 3 passes itself
 }
 
 

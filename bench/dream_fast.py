@@ -1,17 +1,20 @@
 """Dream fast decoding side by side, in Fast-dLLM's form: accuracy / tokens per second / speed-up for exact
 decoding, +cache, +parallel (confidence threshold) and both. Prints JSON on stdout, the Markdown table on stderr.
 
-    python bench/dream_fast.py --model runs/dream-task-demo/hf            # trained test model, 4 settings
+    python bench/dream_fast.py --model tests/fixtures/dream/task_model     # the task model, 4 settings
+    python bench/dream_fast.py --model DIR --schedule fastdllm             # Fast-dLLM's schedule (jaxport.dream.fast)
     python bench/dream_fast.py --random-init 40m --settings exact,cache   # cache-only speed, no accuracy
     python bench/dream_fast.py --random-init 40m --settings exact,cache --upstream   # + the PyTorch original
 
 Exact is `steps = generation length`, one token per step; the fast settings use the same steps in blocks of
-`--block-length` (32) with `--cache` (dual) and/or `--threshold` (0.9). Speed: the median of `--repeats`
-generations of one batch after a compiling warm-up (compile time reported apart). Accuracy (with `--model`):
-exact match on the task-demo held-out problems through `jaxport.dream.tasks.evaluate` (bench/dream_task_eval.py),
-any function `accuracy(model, tokenizer, problems, **generation_args) -> float` fits in its place.
-`--upstream` also runs the original's exact `diffusion_generate` on the 40M config, as `bench/compare.py --only
-dream_256` does (REF_PY, REF_DREAM from ../shared/originals/setup; about 10 minutes at 256 tokens).
+`--block-length` (32) with `--cache` (dual) and/or `--threshold` (0.9), under `--schedule` (jaxport's by default).
+Speed: every setting decodes all prompts (`--problems` held-out problems with `--model`, else `--prompts` random
+ones) in batches of each batch size, `--repeats` (3) timed passes after an untimed one that compiles every shape;
+the table gives the median pass and the JSON every pass and the spread ((max - min) / median). Accuracy (with
+`--model`): exact match of the last timed pass's completions (`jaxport.dream.tasks.score`). `--upstream` also
+runs the original's exact `diffusion_generate` on the 40M config, as `bench/compare.py --only dream_256` does
+(REF_PY, REF_DREAM from ../shared/originals/setup; about 10 minutes at 256 tokens). Fast-dLLM's own decoding on
+the same prompts is `bench/compare.py --only fastdllm`.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -38,6 +42,8 @@ def settings(args) -> dict[str, dict]:
         "parallel": dict(threshold=args.threshold),
         "both": dict(cache=args.cache, threshold=args.threshold),
     }
+    if args.schedule != "jaxport":
+        fast = {name: dict(setting, schedule=args.schedule) for name, setting in fast.items()}
     chosen = {}
     for name in args.settings.split(","):
         if name not in NAMES:
@@ -46,26 +52,23 @@ def settings(args) -> dict[str, dict]:
     return chosen
 
 
-def task_accuracy(model, tokenizer, problems, **generation_args) -> float:
-    from jaxport.dream import tasks
-
-    scores, _ = tasks.evaluate(
-        model, tokenizer, problems, gen_len=generation_args.pop("max_new_tokens"), **generation_args
-    )
-    return scores["exact_match"]
-
-
-def speed(model, input_ids, attention_mask, repeats: int, **generation_args) -> dict:
-    """Compile time and the median seconds of one batch's generation."""
-    run = lambda: jax.block_until_ready(
-        model.diffusion_generate(input_ids, attention_mask, return_dict_in_generate=False, **generation_args)
-    )
-    compile_s, times = bench.timed(run, repeats)
+def passes(model, batches: list, repeats: int, **generation_args) -> dict:
+    """Compile time (an untimed pass over every batch) and the seconds of each timed pass over all batches, with
+    the last pass's sequences."""
+    run = lambda ids, mask: model.diffusion_generate(ids, mask, return_dict_in_generate=False, **generation_args)
+    compile_s, _ = bench.timed(lambda: [run(*b) for b in batches], 0)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sequences = jax.block_until_ready([run(*b) for b in batches])
+        times.append(time.perf_counter() - start)
     median = statistics.median(times)
     return {
         "compile_s": round(compile_s, 2),
         "median_s": round(median, 5),
         "times_s": [round(t, 5) for t in times],
+        "spread": round((max(times) - min(times)) / median, 3),
+        "sequences": [np.asarray(jax.device_get(s)) for s in sequences],
     }
 
 
@@ -111,7 +114,7 @@ def table(rows: list[dict], names: list[str], with_accuracy: bool, args) -> str:
         for name in names:
             r = next(r for r in rows if (r["max_new_tokens"], r["batch"], r["setting"]) == (length, batch, name))
             accuracy = f"{100 * r['accuracy']:.1f}% / " if with_accuracy else ""
-            cells.append(f"{accuracy}{r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x)")
+            cells.append(f"{accuracy}{r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x; spread {r['spread']:.0%})")
         lines.append(f"| {length} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -131,11 +134,12 @@ def main():
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--cache", default="dual", help="prefix or dual")
     parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--schedule", default="jaxport", help="jaxport or fastdllm (jaxport.dream.fast)")
     parser.add_argument("--alg", default="entropy")
-    parser.add_argument("--problems", type=int, default=256, help="held-out problems for the accuracy")
-    parser.add_argument("--eval-batch-size", type=int, default=64)
+    parser.add_argument("--problems", type=int, default=256, help="held-out problems, decoded and scored")
+    parser.add_argument("--prompts", type=int, default=8, help="random-init prompts")
     parser.add_argument("--prompt-len", type=int, default=32, help="random-init prompt length")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--upstream", action="store_true", help="also time the PyTorch original's exact path")
@@ -150,41 +154,50 @@ def main():
 
         model, tokenizer = dream.load(args.model, dtype=args.dtype)
         problems = tasks.demo_test_problems(args.problems, args.seed)
-        width = max(len(tokenizer.encode(p.prompt)) for p in problems)
+        texts = [p.prompt for p in problems]
+        width = max(len(tokenizer.encode(t)) for t in texts)
+        count = len(texts)
     else:
         model = dream.random_model(dream.preset(args.random_init), dtype=args.dtype, seed=args.seed)
         cfg = model.config
         low = min(cfg.mask_token_id, cfg.eos_token_id, cfg.vocab_size)  # prompts below every special id
+        ids = np.random.default_rng(args.seed).integers(0, low, (args.prompts, args.prompt_len)).astype(np.int32)
+        count = len(ids)
+
+    def batches_of(size: int) -> list:
+        """All prompts in batches of `size` (each task batch left-padded to the longest prompt of all)."""
+        if problems:
+            return [tokenizer(texts[i : i + size], pad_to=width) for i in range(0, count, size)]
+        return [(ids[i : i + size], None) for i in range(0, count, size)]
+
     rows = []
     for length in lengths:
-        accuracy = {}
         for name, fast in chosen.items():
             generation_args = dict(max_new_tokens=length, steps=length, alg=args.alg, **fast)
-            if problems:
-                accuracy[name] = task_accuracy(
-                    model, tokenizer, problems, batch_size=args.eval_batch_size, **generation_args
-                )
             for batch in batches:
+                timing = passes(model, batches_of(batch), args.repeats, **generation_args)
+                sequences = timing.pop("sequences")
+                accuracy = None
                 if problems:
-                    ids, mask = tokenizer([p.prompt for p in problems[:batch]], pad_to=width)
-                else:
-                    ids = np.random.default_rng(args.seed + batch).integers(0, low, (batch, args.prompt_len))
-                    ids, mask = ids.astype(np.int32), None
-                timing = speed(model, ids, mask, args.repeats, **generation_args)
+                    prompt_width = sequences[0].shape[1] - length
+                    completions = [c for s in sequences for c in tokenizer.decode_generation(s, prompt_width)]
+                    accuracy = tasks.score(problems, completions[:count])["exact_match"]
                 rows.append(
                     {
                         "setting": name,
                         "max_new_tokens": length,
                         "batch": batch,
+                        "prompts": count,
                         **fast,
                         **timing,
-                        "tokens_per_s": round(batch * length / timing["median_s"], 2),
-                        "accuracy": accuracy.get(name),
+                        "tokens_per_s": round(count * length / timing["median_s"], 2),
+                        "accuracy": accuracy,
                     }
                 )
                 print(
-                    f"{length} tokens, batch {batch}, {NAMES[name]}: {rows[-1]['tokens_per_s']} tok/s"
-                    + (f", accuracy {accuracy[name]:.3f}" if problems else ""),
+                    f"{length} tokens, batch {batch}, {NAMES[name]}: {rows[-1]['tokens_per_s']} tok/s "
+                    f"(spread {timing['spread']:.1%} over {args.repeats} passes)"
+                    + (f", accuracy {accuracy:.3f}" if problems else ""),
                     file=sys.stderr,
                 )
     for r in rows:
@@ -206,6 +219,7 @@ def main():
         "block_length": args.block_length,
         "cache": args.cache,
         "threshold": args.threshold,
+        "schedule": args.schedule,
         "problems": len(problems) if problems else None,
         "results": rows,
         "peak_rss_bytes": peak_rss_bytes(),
@@ -216,7 +230,10 @@ def main():
         original = upstream(lengths, batches, args.prompt_len)
         for r in rows:
             if (r["max_new_tokens"], r["batch"]) in original:
-                r["speedup_vs_original_exact"] = round(original[(r["max_new_tokens"], r["batch"])] / r["median_s"], 2)
+                generations = -(-r["prompts"] // r["batch"])  # the original's time is one batch's
+                r["speedup_vs_original_exact"] = round(
+                    generations * original[(r["max_new_tokens"], r["batch"])] / r["median_s"], 2
+                )
         result["original_exact_s"] = {f"{n} tokens, batch {b}": s for (n, b), s in original.items()}
     result["markdown"] = table(rows, list(chosen), bool(problems), args)
     print(json.dumps(result, indent=1))

@@ -193,20 +193,21 @@ def dream(args):
     from flax import nnx
 
     from jaxport import dream as dream_lib
-    from jaxport.dream.generate import _generate, decoding_compiler_options, prepare_generation
+    from jaxport.dream.exact import exact_loop
+    from jaxport.dream.program import decoding_compiler_options, prepare_generation
 
     model = dream_lib.random_model(dream_lib.preset("40m"))
     ids = np.random.default_rng(0).integers(0, 31000, (args.batch, 32)).astype(np.int32)
-    x, valid, key, cfg = prepare_generation(
+    prepared = prepare_generation(
         model, ids, None, max_new_tokens=args.new_tokens, steps=args.new_tokens, alg="entropy"
     )
     graphdef, state = nnx.split(model)
 
     def generate(state, x, key):
-        return _generate(graphdef, state, x, valid, key, cfg)
+        return exact_loop(graphdef, state, x, prepared.valid_BN, key, prepared.program)
 
-    generate.compiler_options = decoding_compiler_options(model, x)  # the options jaxport compiles this with
-    return generate, (state, x, key)
+    generate.compiler_options = decoding_compiler_options(model, prepared.x_BN)  # the options jaxport compiles with
+    return generate, (state, prepared.x_BN, prepared.key)
 
 
 def main():

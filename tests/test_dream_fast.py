@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxport import cli, dream
-from jaxport.dream.generate import padding_inputs
+from jaxport.dream import fast
+from jaxport.dream.program import padding_inputs, prepare_generation
 from jaxport.errors import JaxportError
 
 CASE = Path(__file__).parent / "fixtures" / "dream" / "tiny_sharded"
@@ -38,6 +39,13 @@ def inputs():
 
 def generate(model, inputs, **kwargs):
     out = model.diffusion_generate(*inputs, output_history=True, output_scores=True, **kwargs)
+    return {name: np.asarray(getattr(out, name)) for name in RECORDS}
+
+
+def refreshed(model, inputs, **kwargs):
+    """`generate` with the block cache rebuilt from the current canvas before every step (the private test hook)."""
+    prepared = prepare_generation(model, *inputs, output_history=True, output_scores=True, blockwise=True, **kwargs)
+    out = fast.blocks_output(fast._run_blocks(model, prepared, refresh=True))
     return {name: np.asarray(getattr(out, name)) for name in RECORDS}
 
 
@@ -90,7 +98,7 @@ def test_cache_refreshed_every_step_equals_cache_free(model, inputs, setting):
     """Batch 2 with left padding: reading a freshly refreshed cache gives the cache-free block path's tokens."""
     kwargs = dict(max_new_tokens=16, rng=jax.random.key(5), **setting)
     free = generate(model, inputs, **{**kwargs, "cache": None})
-    cached = generate(model, inputs, refresh_cache_every_step=True, **kwargs)
+    cached = refreshed(model, inputs, **kwargs)
     for name in ("sequences", "history", "n_transfer", "x0"):
         np.testing.assert_array_equal(cached[name], free[name], err_msg=name)
     assert not (free["sequences"] == model.config.mask_token_id).any()
@@ -132,7 +140,12 @@ def test_blocks_fill_left_to_right_and_threshold_unmasks_in_parallel(model, inpu
 
 @pytest.mark.parametrize(
     "alg, fast",
-    [("maskgit_plus", {}), ("entropy", dict(block_length=8)), ("topk_margin", dict(block_length=4, cache="dual"))],
+    [
+        ("maskgit_plus", {}),
+        ("entropy", dict(block_length=8)),
+        ("topk_margin", dict(block_length=4, cache="dual")),
+        ("entropy", dict(block_length=8, cache="prefix", schedule="fastdllm")),
+    ],
 )
 def test_saturated_confidence_ties_unmask_leftmost_first(model, inputs, alg, fast):
     """top_k=1 leaves one token per position, so every confidence is equal (1, 1 or 0): the tie rule alone
@@ -207,6 +220,9 @@ def test_tokens_hook_and_progress_block_wise(model, inputs):
         (dict(threshold=0.0), r"threshold: must be in \(0, 1\], got 0.0"),
         (dict(threshold=1.5, block_length=4), r"threshold: must be in \(0, 1\], got 1.5"),
         (dict(cache="full", block_length=4), r"cache: must be None, 'prefix' or 'dual', got 'full'"),
+        (dict(schedule="fast"), r"schedule: unknown schedule 'fast'; choose one of jaxport, fastdllm"),
+        (dict(schedule="fastdllm"), r"alg: schedule 'fastdllm' ranks the block's masks by confidence"),
+        (dict(block_len=4), r"block_len: unknown generation argument"),
         (
             dict(cache="dual", generation_logits_hook_func=lambda s, x, lg: lg),
             r"generation_logits_hook_func: not available block-wise",
@@ -242,6 +258,30 @@ def test_text_in_text_out(loaded):
     assert dream.generate(model, tokenizer, chat, **fast) == texts[1]
     with pytest.raises(JaxportError, match=r"prompts: expected a string, a list of chat messages"):
         dream.generate(model, tokenizer, [], max_new_tokens=16)
+
+
+ALIAS_SCRIPT = r"""
+import sys, warnings
+from jaxport import dream
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import jaxport.dream.generate as old
+assert any(issubclass(w.category, DeprecationWarning) for w in caught), caught
+assert old.diffusion_generate is dream.diffusion_generate and dream.generate is old
+model, tokenizer = dream.load(sys.argv[1])
+print(dream.generate(model, tokenizer, "def add(a, b):", max_new_tokens=4, steps=2, alg="entropy") ==
+      dream.text.generate(model, tokenizer, "def add(a, b):", max_new_tokens=4, steps=2, alg="entropy"))
+"""
+
+
+def test_the_old_generate_module_is_a_deprecated_alias():
+    """`jaxport.dream.generate` (the module, split into decoding/program/sampling/settings) warns on import and,
+    while the alias lives, rebinds `dream.generate` to a module that still answers as the text API."""
+    result = subprocess.run(
+        [sys.executable, "-c", ALIAS_SCRIPT, str(CASE / "model")], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_cli_fast_flags(capsys):
@@ -282,6 +322,11 @@ def test_cli_fast_flags(capsys):
         cache="dual",
         threshold=0.3,
     )
+    assert cli.main(args + ["--schedule", "fastdllm", "--top-k", "50"]) == 0
+    completion = json.loads(capsys.readouterr().out.splitlines()[-1])["completion"]
+    fastdllm = dict(block_length=4, cache="dual", threshold=0.3, schedule="fastdllm", top_k=50)
+    expected = dream.generate(model, tokenizer, "def add(a, b):", max_new_tokens=16, steps=8, alg="entropy", **fastdllm)
+    assert completion == expected
     assert cli.main(args[:-6] + ["--cache", "full"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "jaxport dream: error: cache: must be None, 'prefix' or 'dual', got 'full'"
@@ -312,7 +357,7 @@ def test_cli_fast_flags(capsys):
         == 0
     )
     result = json.loads(capsys.readouterr().out)
-    assert result["generation_args"] == {"block_length": 4, "cache": "dual", "threshold": None}
+    assert result["generation_args"] == {"block_length": 4, "cache": "dual"}
     assert result["results"][0]["new_tokens_per_s"] > 0
 
 
@@ -321,6 +366,8 @@ import json, sys
 import jax, numpy as np
 from jaxport import dream
 from jaxport.distributed import make_mesh
+from jaxport.dream import fast
+from jaxport.dream.program import prepare_generation
 
 case = sys.argv[1]
 model, _ = dream.load(case + "/model", mesh=make_mesh(data=2, fsdp=1, model=4))
@@ -331,10 +378,11 @@ for name, kwargs in [
         ("entropy_prefix", dict(alg="entropy", steps=8, block_length=8, cache="prefix")),
         ("maskgit_dual", dict(alg="maskgit_plus", steps=16, block_length=8, cache="dual", threshold=0.3, top_k=5)),
         ("origin_dual", dict(alg="origin", steps=16, block_length=4, cache="dual", rng=jax.random.key(4)))]:
-    gen = lambda **extra: np.asarray(model.diffusion_generate(ids, mask, max_new_tokens=16, output_history=True,
-                                                              **{**kwargs, **extra}).history)
-    free = gen(cache=None)
-    report[name] = bool(np.array_equal(gen(refresh_cache_every_step=True), free))
+    free = np.asarray(model.diffusion_generate(ids, mask, max_new_tokens=16, output_history=True,
+                                               **{**kwargs, "cache": None}).history)
+    prepared = prepare_generation(model, ids, mask, max_new_tokens=16, output_history=True, **kwargs)
+    cached = fast.blocks_output(fast._run_blocks(model, prepared, refresh=True)).history
+    report[name] = bool(np.array_equal(np.asarray(cached), free))
     report[name + "_tokens"] = free[-1].tolist()
 print(json.dumps(report))
 """
@@ -353,3 +401,20 @@ def test_cache_on_a_mesh_of_eight_devices(model, inputs):
         *inputs, max_new_tokens=16, alg="maskgit_plus", steps=16, block_length=8, threshold=0.3, top_k=5
     )
     np.testing.assert_array_equal(np.asarray(report["maskgit_dual_tokens"]), np.asarray(one_device.sequences))
+
+
+@pytest.mark.parametrize("fast", [{}, dict(block_length=8, cache="dual", threshold=0.3)], ids=["exact", "block-wise"])
+def test_a_prompt_that_fills_its_bucket_decodes_alone_as_beside_a_shorter_one(loaded, fast):
+    """A prompt as long as its bucket has an all-ones attention mask unless a shorter prompt pads its batch. The
+    mask is applied either way, so at one batch size its row runs the same attention beside a full prompt as beside
+    a padded one, score for score, bit for bit; alone (batch 1, other kernels) it gets the same tokens."""
+    model, tokenizer = loaded
+    long, short = "def add(a, b):\n    return a + b", "x ="
+    width = len(tokenizer.encode(long))
+    alone, full, padded = (tokenizer(texts, pad_to=width) for texts in ([long], [long, long], [long, short]))
+    assert alone[1].all() and full[1].all() and not padded[1].all()
+    kwargs = dict(max_new_tokens=16, steps=16, alg="entropy", output_scores=True, **fast)
+    one, two, mixed = (model.diffusion_generate(*inputs, **kwargs) for inputs in (alone, full, padded))
+    np.testing.assert_array_equal(np.asarray(two.confidence)[:, 0], np.asarray(mixed.confidence)[:, 0])
+    for out in (two, mixed):
+        np.testing.assert_array_equal(np.asarray(one.sequences)[0], np.asarray(out.sequences)[0])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxport import dream
-from jaxport.dream.generate import timesteps
+from jaxport.dream.sampling import timesteps
 from jaxport.errors import JaxportError
 
 CASE = Path(__file__).parent / "fixtures" / "dream" / "tiny_sharded"
@@ -197,14 +197,13 @@ def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
     sampler's softmax reductions into YNNPACK fusions, which slows the vocabulary projection that feeds them."""
     from flax import nnx
 
-    from jaxport.dream.generate import _generate, decoding_program, prepare_generation
+    from jaxport.dream.exact import exact_loop
+    from jaxport.dream.program import decoding_program, prepare_generation
 
     inputs, _ = data
-    x, valid, key, cfg = prepare_generation(
-        model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8
-    )
-    program = decoding_program(_generate, model, x, static_argnames=("graphdef", "cfg"))
-    hlo = program.lower(*nnx.split(model), x, valid, key, cfg).compile().as_text()
+    p = prepare_generation(model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8)
+    program = decoding_program(exact_loop, model, p.x_BN, static_argnames=("graphdef", "program"))
+    hlo = program.lower(*nnx.split(model), p.x_BN, p.valid_BN, p.key, p.program).compile().as_text()
     fused = [line for line in hlo.splitlines() if '"kind":"__ynn_fusion"' in line]
     assert fused, "no YNNPACK fusion in the decoding program"
     assert all("/dot_general" in line for line in fused), [line[:200] for line in fused if "/dot_general" not in line]

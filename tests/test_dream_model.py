@@ -66,7 +66,7 @@ def test_hidden_states_at_rows_match_the_full_forward(model, expected):
     upstream's logits there, with a padding mask and for rows in any order, repeated, per batch row."""
     import jax.numpy as jnp
 
-    from jaxport.dream.generate import padding_inputs
+    from jaxport.dream.program import padding_inputs
     from jaxport.nn import take_rows
 
     ids, valid = jnp.asarray(expected["sampler_input_ids"]), expected["valid_positions"]

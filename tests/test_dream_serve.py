@@ -194,6 +194,10 @@ def test_block_wise_decoding_streams_each_block(server):
     assert "".join(texts) == whole.text and chunks[-1].finish_reason == whole.finish_reason
     assert len(texts) > 1  # sent block by block, not all at the end
     assert "block_length 4" in log_path.read_text()
+    fastdllm = {"block_length": 4, "cache": "dual", "schedule": "fastdllm", "alg": "entropy"}  # Fast-dLLM's own
+    whole = complete(url, PROMPTS[1], extra_body=fastdllm).choices[0]
+    streamed = [c.choices[0].text for c in complete(url, PROMPTS[1], stream=True, extra_body=fastdllm)]
+    assert "".join(streamed) == whole.text and "schedule fastdllm" in log_path.read_text()
 
 
 @pytest.mark.parametrize(
@@ -201,15 +205,17 @@ def test_block_wise_decoding_streams_each_block(server):
     [
         ({"model": "gpt-4"}, 404, "model", "does not exist"),
         ({"prompt": "word " * 200}, 400, "prompt", "leaves room for 112"),
-        ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
-        ({"top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
+        ({"temperature": -1}, 400, "temperature", "must be >= 0, got -1"),
+        ({"top_p": 1.5}, 400, "top_p", "must be in (0, 1], got 1.5"),
         ({"max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
         ({"max_tokens": 64}, 400, "max_tokens", "largest --max-tokens-buckets value 16"),
         ({"n": 3}, 400, "n", "exceed --max-batch 2"),
         ({"extra_body": {"steps": 32}}, 400, "steps", "exceeds the 16 new tokens"),
-        ({"extra_body": {"alg": "greedy"}}, 400, "alg", "Input should be 'origin'"),
+        ({"extra_body": {"alg": "greedy"}}, 400, "alg", "unknown alg 'greedy'; choose one of origin"),
         ({"extra_body": {"block_length": 5}}, 400, "block_length", "must divide the number of new tokens (16)"),
-        ({"extra_body": {"cache": "all"}}, 400, "cache", "Input should be 'prefix' or 'dual'"),
+        ({"extra_body": {"schedule": "fast"}}, 400, "schedule", "unknown schedule 'fast'; choose one of jaxport"),
+        ({"extra_body": {"schedule": "fastdllm", "alg": "origin"}}, 400, "alg", "schedule 'fastdllm' ranks"),
+        ({"extra_body": {"cache": "all"}}, 400, "cache", "must be None, 'prefix' or 'dual', got 'all'"),
         ({"extra_body": {"n": "2"}}, 400, "n", "valid integer"),
         ({"extra_body": {"stop": ["a", 3]}}, 400, "stop", "valid string"),
         ({"extra_body": {"max_tokns": 3}}, 400, "max_tokns", "unknown field"),

@@ -1,7 +1,8 @@
 """Dream / DiffuCoder masked-diffusion language models (Hugging Face format) in JAX.
 
-`dream.generate` is text in, text out (`jaxport.dream.text`); the token-level module stays importable as
-`from jaxport.dream.generate import ...`.
+`dream.generate` is text in, text out (`jaxport.dream.text`); `dream.diffusion_generate` works on token ids
+(`jaxport.dream.decoding`), `dream.generate_blocks` block by block (`jaxport.dream.fast`); the settings they take
+are `GenerationSettings` (`jaxport.dream.settings`).
 """
 
 from pathlib import Path
@@ -9,10 +10,12 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from jaxport.dream.config import DreamConfig, preset
+from jaxport.dream.decoding import diffusion_generate
 from jaxport.dream.fast import FinishedBlock, generate_blocks
-from jaxport.dream.generate import GenerationOutput, diffusion_generate
 from jaxport.dream.model import DreamModel
 from jaxport.dream.params import load_model, random_model
+from jaxport.dream.program import GenerationOutput
+from jaxport.dream.settings import GenerationSettings
 from jaxport.dream.text import generate
 from jaxport.dream.tokenizer import DreamTokenizer
 
@@ -30,6 +33,7 @@ __all__ = [
     "DreamTokenizer",
     "FinishedBlock",
     "GenerationOutput",
+    "GenerationSettings",
     "diffusion_generate",
     "generate",
     "generate_blocks",

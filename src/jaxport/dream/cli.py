@@ -44,10 +44,26 @@ def _add_fast(p: argparse.ArgumentParser):
         default=None,
         help="also unmask every mask of the block whose token has at least this probability, in (0, 1]",
     )
+    fast.add_argument(
+        "--schedule",
+        default=None,
+        help="jaxport (default: steps / blocks steps per block, each row's share of its masks) or fastdllm "
+        "(Fast-dLLM's decoding token for token)",
+    )
 
 
 def _fast_args(args) -> dict:
-    return {"block_length": args.block_length, "cache": args.cache, "threshold": args.threshold}
+    """The fast-decoding flags given (block-wise decoding when any is)."""
+    names = ("block_length", "cache", "threshold", "schedule")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _settings(args, steps: int, **row) -> dict:
+    """The generation settings of the flags, validated before any model is loaded (`GenerationSettings`)."""
+    from jaxport.dream.settings import GenerationSettings
+
+    settings = GenerationSettings.of(steps=steps, alg=args.alg, **row, **_fast_args(args))
+    return settings.check(args.max_new_tokens).arguments()
 
 
 def _read_prompts(args) -> list:
@@ -80,6 +96,8 @@ def generate(args) -> int:
 
     prompts = _read_prompts(args)
     steps = args.max_new_tokens if args.steps is None else args.steps  # --steps 0 is an error, not the default
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
+    settings = _settings(args, steps, eps=args.eps, **sampling)
     mesh = _mesh(args.mesh)
     start = time.perf_counter()
     model, tokenizer = dream.load(args.model, dtype=args.dtype, mesh=mesh)
@@ -119,16 +137,9 @@ def generate(args) -> int:
             input_ids,
             attention_mask,
             max_new_tokens=args.max_new_tokens,
-            steps=steps,
-            alg=args.alg,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            alg_temp=args.alg_temp,
-            eps=args.eps,
             rng=jax.random.key(args.seed + first),
             progress=progress,
-            **_fast_args(args),
+            **settings,
         )
         sequences = jax.device_get(out.sequences)
         if not args.watch and state.get("step") != steps:  # block-wise: blocks may end before their last step

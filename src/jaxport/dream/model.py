@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxport.distributed.mesh import logical_sharding
 from jaxport.dream.config import DreamConfig
-from jaxport.dream.generate import diffusion_generate, padding_inputs
+from jaxport.dream.decoding import diffusion_generate
+from jaxport.dream.program import padding_inputs
 from jaxport.nn import Attention, Embedding, Linear, RMSNorm, SwiGLU, rotary_cos_sin, take_rows
 
 
@@ -150,7 +151,7 @@ class DreamModel(nnx.Module):
         return _jit_forward(*nnx.split(self), input_ids, attention_mask, position_ids, output_hidden_states)
 
     def diffusion_generate(self, input_ids, attention_mask=None, **kwargs):
-        """Masked-diffusion generation with upstream's arguments; see `jaxport.dream.generate`."""
+        """Masked-diffusion generation with upstream's arguments; see `jaxport.dream.decoding.diffusion_generate`."""
         return diffusion_generate(self, input_ids, attention_mask, **kwargs)
 
 

@@ -4,20 +4,23 @@ the oldest waiting request together with every later one whose compiled settings
 Which settings are static (part of `BatchKey`; requests batch only when they are equal, and each new
 combination compiles once) and which are per row:
 
-* static: the prompt-length bucket, the `max_tokens` bucket (the number of new tokens on the
-  canvas), `steps`, `alg`, `temperature`, `top_p`, `top_k`, `alg_temp` and the fast-decoding
-  settings `block_length`, `cache`, `threshold` (all fields of the compiled `SamplingConfig`); the
-  batch size is rounded up to a bucket (powers of two up to `max_batch`; spare rows repeat the first).
+* static: the prompt-length bucket, the `max_tokens` bucket (the number of new tokens on the canvas) and
+  the request's `GenerationSettings` (`jaxport.dream.settings`): the program's (`steps`, `alg`,
+  `block_length`, `cache`, `schedule`) and, compiled in today, the sampling values (`temperature`,
+  `top_p`, `top_k`, `alg_temp`, `threshold`); the batch size is rounded up to a bucket (powers of two up
+  to `max_batch`; spare rows repeat the first).
 * per row: the prompt, `max_tokens` within its bucket (the text is cut there), `stop`, `n` (rows of
   one request run in the same batch) and streaming.
 
 A row's tokens depend only on its own prompt and static settings: each request's prompt bucket comes
 from its own length, every row of a batch holds the same number of masks (the exact path's unmask
-count is shared by the batch; block-wise counts are per row), and padding is invisible to the model.
+count is shared by the batch; block-wise counts are per row), padding is invisible to the model, and
+every batch passes its attention mask, so a prompt that fills its bucket runs the same attention alone
+as beside padded rows.
 So greedy decoding (temperature 0 and an algorithm that draws nothing: not `origin`, no `alg_temp`)
-gives the same text alone or in any batch (bit for bit on XLA:CPU, tested; an accelerator may pick
-other kernels for another batch size, which can move the last bits of a score and so, rarely, break
-a near-tie differently).
+gives the same text alone or in any batch (tested). At one batch size a row's scores are the same bit for
+bit whatever the other rows hold (tested); another batch size may run other kernels, which can move the
+last bits of a score and so, rarely, break a near-tie differently.
 
 Sampling draws one key for the whole batch, so a request with a `seed` that samples runs as a batch
 of its own, under the key made from the seed: the same seed gives the same text. Without a seed,
@@ -39,6 +42,7 @@ import jax
 import numpy as np
 
 from jaxport.dream.fast import generate_blocks
+from jaxport.dream.settings import GenerationSettings
 from jaxport.dream.tokenizer import DreamTokenizer
 from jaxport.errors import JaxportError
 
@@ -64,38 +68,34 @@ def rng_key(seed: int) -> jax.Array:
     return jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
 
 
-# diffusion_generate's fast-decoding arguments: any of them selects block-wise decoding (jaxport.dream.fast)
-FAST_DECODING = ("block_length", "cache", "threshold")
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchKey:
     """The settings the compiled generation depends on; requests batch together when these are equal."""
 
     prompt_len: int  # rows are left-padded to this bucket
     new_tokens: int  # max_tokens bucket: the canvas holds this many new tokens
-    settings: tuple  # diffusion_generate's other arguments (steps, alg, temperature, ...), (name, value) sorted
+    settings: GenerationSettings  # checked for this canvas (`GenerationSettings.check`)
     seed: int | None = None
     alone: str | None = None  # a request id: that request runs as a batch of its own
 
     @classmethod
     def of(cls, prompt_len: int, new_tokens: int, **settings) -> "BatchKey":
-        """The key for these `diffusion_generate` arguments (those that are None left out)."""
-        return cls(prompt_len, new_tokens, tuple(sorted((k, v) for k, v in settings.items() if v is not None)))
+        """The key for these `diffusion_generate` settings (raises `JaxportError` naming a bad one)."""
+        return cls(prompt_len, new_tokens, GenerationSettings.of(**settings).check(new_tokens))
 
     @property
     def samples(self) -> bool:
         """Whether generation draws random numbers (so the batch's key matters)."""
-        args = dict(self.settings)
-        return args.get("temperature", 0) > 0 or args.get("alg") == "origin" or bool(args.get("alg_temp"))
+        s = self.settings
+        return s.temperature > 0 or s.alg == "origin" or bool(s.alg_temp)
 
     def describe(self) -> str:
-        return ", ".join(
-            [
-                f"prompt {self.prompt_len} + {self.new_tokens} new tokens",
-                *(f"{name} {value}" for name, value in self.settings),
-            ]
+        """The settings that are set, by name (eps and schedule only where not at their defaults)."""
+        defaults = {"eps": 1e-3, "schedule": "jaxport"}
+        given = sorted(
+            (k, v) for k, v in self.settings.model_dump(exclude_none=True).items() if defaults.get(k, None) != v
         )
+        return ", ".join([f"prompt {self.prompt_len} + {self.new_tokens} new tokens"] + [f"{k} {v}" for k, v in given])
 
 
 def generated_ids(span: np.ndarray, stop_ids: set[int], mask_token_id: int) -> tuple[list[int], bool, bool]:
@@ -179,8 +179,8 @@ def generate_canvases(model, key: BatchKey, input_ids, attention_mask, rng) -> I
 
     The exact path is one compiled program, so it yields once, at the end; block-wise decoding (any
     fast-decoding setting) yields after every finished block, so streams send each block's text."""
-    args = dict(key.settings, max_new_tokens=key.new_tokens, rng=rng)
-    if not set(FAST_DECODING) & args.keys():
+    args = dict(key.settings.arguments(), max_new_tokens=key.new_tokens, rng=rng)
+    if key.settings.block_length is None:
         sequences = model.diffusion_generate(input_ids, attention_mask, return_dict_in_generate=False, **args)
         yield np.asarray(jax.device_get(sequences)), True
         return
@@ -329,7 +329,7 @@ class Scheduler:
         size = bucket(len(prompts), self.batch_sizes)
         input_ids, attention_mask = self.tokenizer(prompts + prompts[:1] * (size - len(prompts)), pad_to=key.prompt_len)
         masks = np.nonzero((input_ids == self.tokenizer.mask_token_id).any(axis=0))[0]
-        # the program also depends on where the first prompt mask is (jaxport.dream.generate)
+        # the program also depends on where the first prompt mask is (jaxport.dream.program)
         program = (key.prompt_len, key.new_tokens, key.settings, size, int(masks[0]) if len(masks) else None)
         compiling = program not in self._compiled
         if compiling:

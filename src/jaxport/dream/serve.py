@@ -4,8 +4,10 @@
 applied), `GET /health` and `GET /metrics` (requests, batch sizes run, queue). Requests take the OpenAI
 fields `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 0: greedy), `top_p`,
 `stop`, `n`, `seed`, `stream` (server-sent events) and `stream_options.include_usage`, and Dream's own
-`steps` (default: the canvas length), `alg`, `alg_temp` and `top_k` as extra body fields. Which of them
-are compiled (and so decide which requests batch together) is said in `jaxport.dream.scheduler`.
+`steps` (default: the canvas length), `alg`, `alg_temp`, `top_k`, `block_length`, `cache`, `threshold` and
+`schedule` as extra body fields, validated as `jaxport.dream.settings.GenerationSettings` validates them for
+the Python API and the CLI. Which of them are compiled (and so decide which requests batch together) is said
+in `jaxport.dream.scheduler`.
 
 `max_tokens` is rounded up to a `--max-tokens-buckets` value: the canvas holds that many new tokens
 and the text is cut at `max_tokens`, so a request whose `max_tokens` is a bucket gets exactly the
@@ -30,8 +32,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from jaxport.dream.generate import ALGORITHMS
-from jaxport.dream.scheduler import FAST_DECODING, BatchKey, Job, QueueFull, RowText, Scheduler, bucket, log
+from jaxport.dream.scheduler import BatchKey, Job, QueueFull, RowText, Scheduler, bucket, log
+from jaxport.dream.settings import (
+    ALGORITHMS,
+    BLOCKWISE,
+    Algorithm,
+    Cache,
+    Count,
+    NonNegative,
+    Probability,
+    Schedule,
+)
 from jaxport.errors import JaxportError
 
 # OpenAI fields this server does not implement: accepted only when absent, null or at this neutral value.
@@ -64,7 +75,7 @@ class ServeSettings:
     max_tokens_buckets: tuple[int, ...] = (64, 256)
     default_max_tokens: int | None = None  # None: the smallest max_tokens bucket
     alg: str = "entropy"
-    fast: tuple = ()  # fast-decoding (name, value) pairs, for requests that do not set them
+    fast: tuple = ()  # fast-decoding (name, value) pairs (`settings.BLOCKWISE`), for requests that do not set them
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_context", "default_max_tokens"):
@@ -109,20 +120,22 @@ class StreamOptions(_Body):
 class GenerationRequest(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    steps: int | None = Field(None, ge=1)
-    alg: Literal[*ALGORITHMS] | None = None
-    alg_temp: float | None = Field(None, ge=0)
-    block_length: int | None = Field(None, ge=1)
-    cache: Literal["prefix", "dual"] | None = None
-    threshold: float | None = Field(None, gt=0, le=1)
+    # generation settings, checked by the rules of GenerationSettings; None: the server's default
+    temperature: NonNegative | None = None
+    top_p: Probability | None = None
+    top_k: Count | None = None
+    steps: Count | None = None
+    alg: Algorithm | None = None
+    alg_temp: NonNegative | None = None
+    block_length: Count | None = None
+    cache: Cache | None = None
+    threshold: Probability | None = None
+    schedule: Schedule | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -195,7 +208,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {error['msg']}")
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)[1:]
-    return APIError(400, f"{path}: {error['msg']}", str(loc[0]))
+    # jaxport's own rules (jaxport.dream.settings) say what is expected and the value given
+    message = error["ctx"]["error"] if error["type"] == "value_error" else error["msg"]
+    return APIError(400, f"{path}: {message}", str(loc[0]))
 
 
 def _generation_error(err: Exception) -> APIError:
@@ -314,17 +329,20 @@ class DreamServer:
                 f"context of {s.max_context} (--max-context) leaves room for {max(room, 0)}",
                 "context_length_exceeded",
             )
-        key = BatchKey.of(
-            min(bucket(longest, list(s.prompt_buckets)) or room, room),
-            new_tokens,
-            steps=steps,
-            alg=body.alg or s.alg,
-            temperature=float(body.temperature or 0.0),
-            top_p=body.top_p if body.top_p is not None and body.top_p < 1 else None,
-            top_k=body.top_k,
-            alg_temp=body.alg_temp or None,
-            **self._fast(body),
-        )
+        try:
+            key = BatchKey.of(
+                min(bucket(longest, list(s.prompt_buckets)) or room, room),
+                new_tokens,
+                steps=steps,
+                alg=body.alg or s.alg,
+                temperature=float(body.temperature or 0.0),
+                top_p=body.top_p,
+                top_k=body.top_k,
+                alg_temp=body.alg_temp,
+                **self._fast(body),
+            )
+        except JaxportError as err:
+            raise _generation_error(err) from None
         job_id = f"{fmt.id_prefix}-{secrets.token_hex(12)}"
         has_mask = any(self.tokenizer.mask_token_id in ids for ids in encoded)
         seeded = key.samples and body.seed is not None
@@ -343,9 +361,8 @@ class DreamServer:
     def _fast(self, body: GenerationRequest) -> dict:
         """The request's fast-decoding settings, each defaulting to the server's."""
         server = dict(self.settings.fast)
-        return {
-            name: server.get(name) if getattr(body, name) is None else getattr(body, name) for name in FAST_DECODING
-        }
+        chosen = {name: server.get(name) if getattr(body, name) is None else getattr(body, name) for name in BLOCKWISE}
+        return {name: value for name, value in chosen.items() if value is not None}
 
     async def respond(
         self, request: Request, body: GenerationRequest, prompts: list[str], prompt_field: str, fmt: Format

@@ -1,0 +1,177 @@
+"""jaxport's `schedule="fastdllm"` on the inputs Fast-dLLM's harness reads (a Hugging Face folder, a JSONL of prompt
+token ids), timed as the harness times itself: one JSON line per batch size with the seconds of each timed pass over
+all prompts, their median, the new tokens, and the FLOPs of Fast-dLLM's algorithm against this machine's matmul
+peak. `bench/compare.py --only fastdllm` runs it beside `../shared/originals/bench/dream/bench_fastdllm.py`.
+
+    python bench/dream_fastdllm.py prepare task DIR [--prompts 64]     # DIR/prompts.jsonl: held-out task prompts
+    python bench/dream_fastdllm.py prepare 40m DIR [--prompts 4]       # DIR/model (random weights), DIR/prompts.jsonl
+    python bench/dream_fastdllm.py run --model DIR --prompt-ids FILE --max-new-tokens 128 --steps 128 \
+        --block-length 32 --dual-cache --alg confidence_threshold --threshold 0.9 --batches 1,8 --runs 3
+
+`run` takes the harness's flags and Fast-dLLM's `--alg` names (`confidence_threshold`, else the scheduled entropy
+ranking) and decodes as Fast-dLLM does (`jaxport.dream.settings.fastdllm_settings`). Batches of several rows are
+left-padded with the pad id and an attention mask, as the harness pads them. Warm-up: one untimed batch of each
+prompt shape (jaxport's compilation, reported as `compile_s`; Fast-dLLM has nothing to compile and the harness
+warms up on one batch).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from _common import emit, environment, peak_rss_bytes, utilisation
+
+from jaxport import dream
+from jaxport.dream.params import load_model, save_pretrained
+from jaxport.dream.settings import fastdllm_settings
+
+TASK_MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "dream" / "task_model"
+
+
+def prepare(args):
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "task":
+        from jaxport.dream import tasks
+
+        tokenizer = dream.DreamTokenizer.from_model_dir(TASK_MODEL, dream.DreamConfig.from_model_dir(TASK_MODEL))
+        rows = [tokenizer.encode(p.prompt) for p in tasks.demo_test_problems(args.prompts)]
+    else:  # the 40M config with random weights, written once so both sides read the same ones
+        config = dream.preset(args.what)
+        save_pretrained(dream.random_model(config, seed=0), out / "model")
+        low = min(config.mask_token_id, config.pad_token_id, config.eos_token_id, config.bos_token_id)
+        rows = np.random.default_rng(0).integers(0, low, (args.prompts, 32)).tolist()
+    (out / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(out)
+
+
+def settings(args) -> dict:
+    s = fastdllm_settings(
+        steps=args.steps,
+        alg=args.alg,
+        threshold=args.threshold,
+        block_length=args.block_length,
+        dual_cache=args.dual_cache,
+    )
+    return {"max_new_tokens": args.max_new_tokens, **s}
+
+
+def batches(rows: list[list[int]], size: int, pad: int):
+    """`(input_ids, attention_mask or None)` of `size` rows each, left-padded as the harness pads."""
+    out = []
+    for i in range(0, len(rows), size):
+        chunk = rows[i : i + size]
+        width = max(map(len, chunk))
+        ids = np.array([[pad] * (width - len(r)) + r for r in chunk], np.int32)
+        mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in chunk], np.int32)
+        out.append((ids, None if mask.all() else mask))
+    return out
+
+
+def forward_flops(config, queries: int, keys: int) -> float:
+    """Multiply-add FLOPs of one forward of `queries` positions attending over `keys`, logits at every query."""
+    D, Dh = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * Dh, config.num_key_value_heads * Dh
+    per_position = D * (q + 2 * kv) + q * D + 3 * D * config.intermediate_size
+    attention = 2 * queries * keys * q  # scores and the weighted sum
+    layers = config.num_hidden_layers * (2 * queries * per_position + 2 * attention)
+    return layers + 2 * queries * D * config.vocab_size
+
+
+def algorithm_flops(model, ids, mask, s: dict) -> float:
+    """FLOPs of Fast-dLLM's algorithm on these rows (as Fast-dLLM computes it: every window position projected to
+    the vocabulary), with the steps each block takes here."""
+    out = model.diffusion_generate(ids, mask, output_scores=True, **s)
+    n_transfer = np.asarray(out.n_transfer).max(axis=1)  # per step, > 0 where the batch still had masks
+    L, width, new = ids.shape[1], s["block_length"], s["max_new_tokens"]
+    N, blocks = L + new, new // width
+    per_block = len(n_transfer) // blocks
+    total = 0.0
+    for block in range(blocks):
+        start = L + block * width
+        taken = int((n_transfer[block * per_block : (block + 1) * per_block] > 0).sum())
+        window = width if s["cache"] == "dual" else N - start
+        total += forward_flops(model.config, N, N) + max(taken - 1, 0) * forward_flops(model.config, window, N)
+    return ids.shape[0] * total
+
+
+def run(args):
+    config = dream.DreamConfig.from_model_dir(args.model)
+    model = load_model(args.model, config)
+    rows = [json.loads(line) for line in Path(args.prompt_ids).read_text().splitlines() if line.strip()]
+    rows = rows[: args.limit] if args.limit else rows
+    s, peaks = settings(args), {}
+    for size in (int(b) for b in args.batches.split(",")):
+        work = batches(rows, size, config.pad_token_id)
+
+        def generate(ids, mask):
+            return model.diffusion_generate(ids, mask, return_dict_in_generate=False, **s)
+
+        start = time.perf_counter()
+        for shape in dict.fromkeys((ids.shape, mask is None) for ids, mask in work):
+            ids, mask = next((i, m) for i, m in work if (i.shape, m is None) == shape)
+            jax.block_until_ready(generate(ids, mask))
+        compile_s = time.perf_counter() - start
+        times, sequences = [], []
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            outputs = [generate(ids, mask) for ids, mask in work]
+            jax.block_until_ready(outputs)
+            times.append(time.perf_counter() - start)
+        # the new tokens of each row (a padded row's prompt is shorter than its batch's width)
+        sequences = [
+            rows[i * size + r] + np.asarray(out)[r, ids.shape[1] :].tolist()
+            for i, ((ids, _), out) in enumerate(zip(work, outputs))
+            for r in range(ids.shape[0])
+        ]
+        median = statistics.median(times)
+        flops = sum(algorithm_flops(model, ids, mask, s) for ids, mask in work)
+        emit(
+            {
+                "batch": size,
+                "rows": len(rows),
+                "settings": s,
+                "compile_s": round(compile_s, 2),
+                "times_s": [round(t, 4) for t in times],
+                "median_s": round(median, 4),
+                "new_tokens_per_s": round(len(rows) * args.max_new_tokens / median, 1),
+                "algorithm_flops": flops,
+                **utilisation(flops, median, "float32", peaks),
+                "sequences": sequences,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "machine": environment(),
+            }
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    actions = parser.add_subparsers(dest="action", required=True)
+    prep = actions.add_parser("prepare")
+    prep.add_argument("what", choices=["task", "40m", "tiny"])
+    prep.add_argument("dir")
+    prep.add_argument("--prompts", type=int, default=64)
+    go = actions.add_parser("run")
+    go.add_argument("--model", required=True)
+    go.add_argument("--prompt-ids", required=True)
+    go.add_argument("--limit", type=int, default=0)
+    go.add_argument("--max-new-tokens", type=int, default=128)
+    go.add_argument("--steps", type=int, default=128)
+    go.add_argument("--block-length", type=int, default=32)
+    go.add_argument("--dual-cache", action="store_true")
+    go.add_argument("--alg", default="confidence_threshold")
+    go.add_argument("--threshold", type=float, default=0.9)
+    go.add_argument("--batches", default="1")
+    go.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    prepare(args) if args.action == "prepare" else run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Exact decoding (upstream `DreamGenerationMixin._sample`): every step runs the model on the whole canvas.
+
+Each of `steps` denoising steps shifts the logits by one position, scores every masked position and unmasks the
+most confident ones (a count shared by the batch: its average number of masks times the schedule's ratio); the
+step loop is a `lax.fori_loop` inside one compiled program. Work avoided without changing any result: the
+vocabulary projection, the sampler and the last layer's queries and MLP run only at positions that still hold a
+mask token (packed into a few static sizes), and the scored window starts at the first position that can hold one.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxport.dream.program import GenerationOutput, Prepared, Program, decoding_program, padding_inputs, record
+from jaxport.dream.sampling import masked_scores, sample_tokens, transfer_ratios, unmask
+
+
+def exact_loop(graphdef, state, x_BN, valid_BN, key, program: Program):
+    """The whole decoding: `(sequences, records)`."""
+    model = nnx.merge(graphdef, state)
+    settings, row, first, mask_id = program.settings, program.row, program.first, program.mask_token_id
+    B, N = x_BN.shape
+    mask, position_ids = padding_inputs(valid_BN, B, N)
+    ratios = jnp.asarray(transfer_ratios(settings.steps, settings.eps))
+    hooks = program.tokens_hook is not None or program.logits_hook is not None
+    if program.tokens_hook is not None:
+        x_BN = program.tokens_hook(None, x_BN, None)
+
+    def body(step, carry):
+        x_BN, records = carry
+        hidden_at_rows = model.hidden_states_at(x_BN, mask, position_ids)
+
+        # Window position j is predicted from the hidden state at canvas position first + j - 1 (0 from itself).
+        def hidden_at(index_BW):
+            return hidden_at_rows(jnp.maximum(index_BW + first - 1, 0))
+
+        sample_key, select_key = jax.random.split(jax.random.fold_in(key, step))
+        logits = None
+        if hooks:
+            logits = model.head(hidden_at(jnp.broadcast_to(jnp.arange(N - first), (B, N - first))))
+            if program.logits_hook is not None:
+                logits = program.logits_hook(step, x_BN, logits)
+            scores = sample_tokens(logits, sample_key, settings.alg, row)
+        else:
+            scores = masked_scores(model.head, hidden_at, x_BN[:, first:] == mask_id, sample_key, settings.alg, row)
+        # The count is shared by the batch: masks per row on average, truncated as int() does.
+        num_mask = jnp.sum(x_BN == mask_id).astype(jnp.float32) / jnp.float32(B)
+        n = jnp.floor(num_mask * ratios[step]).astype(jnp.int32)
+        window, confidence, x0, n_transfer = unmask(
+            x_BN[:, first:], scores, select_key, n, ratios[step], alg=settings.alg, row=row, mask_token_id=mask_id
+        )
+        x_BN = jax.lax.dynamic_update_slice_in_dim(x_BN, window, first, axis=1)
+        if program.tokens_hook is not None:
+            x_BN = program.tokens_hook(step, x_BN, logits)
+        if program.progress is not None:
+            jax.debug.callback(program.progress, step, x_BN, ordered=True)
+        records = record(
+            records,
+            step,
+            history=x_BN,
+            confidence=jnp.pad(confidence, ((0, 0), (first, 0)), constant_values=-jnp.inf),
+            x0=jnp.pad(x0, ((0, 0), (first, 0)), constant_values=-1),
+            n_transfer=n_transfer,
+        )
+        return x_BN, records
+
+    records = program.empty_records(settings.steps, B, N, model.dtype)
+    return jax.lax.fori_loop(0, settings.steps, body, (x_BN, records))
+
+
+def run_exact(model, prepared: Prepared) -> GenerationOutput:
+    program = decoding_program(exact_loop, model, prepared.x_BN, static_argnames=("graphdef", "program"))
+    sequences, records = program(*nnx.split(model), prepared.x_BN, prepared.valid_BN, prepared.key, prepared.program)
+    return GenerationOutput(sequences=sequences, **records)

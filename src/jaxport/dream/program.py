@@ -1,0 +1,218 @@
+"""A decoding prepared for compilation: the checked canvas, the program's static description, and the one place a
+Dream decoding loop is jitted (`decoding_program`).
+
+`prepare_generation` turns `diffusion_generate`'s arguments into a `Prepared` (canvas, attention mask, key,
+`Program`); the exact loop (`jaxport.dream.exact`) and the block loop (`jaxport.dream.fast`) run it.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxport.compile_time import compiler_options, jit_with_options
+from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
+from jaxport.errors import JaxportError
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """`sequences [B, N]`; with `output_history`, `history [steps, B, N]` (x after each step); with
+    `output_scores`, per step: `confidence [steps, B, N]` (-inf off mask positions), `x0` (candidate
+    token at mask positions, -1 elsewhere) and `n_transfer [steps, B]` (positions unmasked)."""
+
+    sequences: jax.Array
+    history: jax.Array | None = None
+    confidence: jax.Array | None = None
+    x0: jax.Array | None = None
+    n_transfer: jax.Array | None = None
+
+
+RECORDS = ("history", "confidence", "x0", "n_transfer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What a compiled decoding depends on besides array shapes (hashable: jit's static argument)."""
+
+    settings: ProgramSettings
+    row: RowSettings  # compiled in today; the values a serving engine passes as `[B]` arrays
+    mask_token_id: int
+    first: int  # the first canvas position that can hold a mask token
+    output_history: bool = False
+    output_scores: bool = False
+    tokens_hook: Callable | None = None
+    logits_hook: Callable | None = None
+    progress: Callable | None = None
+
+    @property
+    def blockwise(self) -> bool:
+        return self.settings.block_length is not None
+
+    def block_steps(self, new_tokens: int) -> int:
+        """The most steps one block takes: `steps` shared by the blocks; under Fast-dLLM's threshold, which has no
+        step budget, one per position (each step unmasks at least one)."""
+        s = self.settings
+        if s.schedule == "fastdllm" and self.row.threshold is not None:
+            return s.block_length
+        return s.steps // (new_tokens // s.block_length)
+
+    def empty_records(self, steps: int, B: int, N: int, dtype) -> dict:
+        """Per-step records, filled by the loop: what `output_history` / `output_scores` ask for."""
+        records = {}
+        if self.output_history:
+            records["history"] = jnp.zeros((steps, B, N), jnp.int32)
+        if self.output_scores:
+            records["confidence"] = jnp.full((steps, B, N), -jnp.inf, dtype)
+            records["x0"] = jnp.full((steps, B, N), -1, jnp.int32)
+            records["n_transfer"] = jnp.zeros((steps, B), jnp.int32)
+        return records
+
+
+def record(records: dict, step, **updates) -> dict:
+    return {k: v.at[step].set(updates[k].astype(v.dtype)) for k, v in records.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A checked generation: the canvas `x_BN` (prompt, then mask tokens) and the boolean attention mask (None:
+    every position attends everywhere) on the model's mesh, the random key and the static `Program`."""
+
+    x_BN: jax.Array
+    valid_BN: jax.Array | None
+    key: jax.Array
+    program: Program
+
+    @property
+    def new_tokens(self) -> int:
+        return self.x_BN.shape[1] - self.program.first
+
+
+def padding_inputs(attention_mask: jax.Array | None, batch: int, length: int):
+    """Boolean attention mask and position ids as upstream's sampler derives them from a 2-D mask.
+
+    Pad queries see no key at all (`m[i, j] = valid[i] & valid[j]`; their attention output is
+    zero, as torch SDPA gives) and positions count real tokens only (`cumsum(valid) - 1`, pads
+    at 1). With no mask this is full attention over positions `0..N-1`.
+    """
+    if attention_mask is None:
+        return None, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    valid_BN = attention_mask.astype(bool)
+    position_ids = jnp.where(valid_BN, jnp.cumsum(valid_BN, axis=-1, dtype=jnp.int32) - 1, 1)
+    return valid_BN[:, None, :, None] & valid_BN[:, None, None, :], position_ids
+
+
+def _check(name: str, ok: bool, message: str):
+    if not ok:
+        raise JaxportError(f"{name}: {message}")
+
+
+def prepare_generation(
+    model,
+    input_ids,
+    attention_mask=None,
+    *,
+    max_length: int | None = None,
+    max_new_tokens: int | None = None,
+    rng: jax.Array | None = None,
+    mask_token_id: int | None = None,
+    output_history: bool = False,
+    output_scores: bool = False,
+    generation_tokens_hook_func: Callable | None = None,
+    generation_logits_hook_func: Callable | None = None,
+    progress: Callable | None = None,
+    blockwise: bool = False,
+    **settings,
+) -> Prepared:
+    """Check `diffusion_generate`'s arguments (documented there; `settings` are `GenerationSettings`) and place
+    the canvas on the model's mesh. `blockwise` decodes block-wise even without a fast-decoding setting.
+
+    A given `attention_mask` is always applied, all ones included: a row then runs the same attention alone as
+    in a batch with padded rows (a padded batch cannot drop the mask).
+    """
+    input_ids = np.asarray(input_ids)
+    _check(
+        "input_ids",
+        input_ids.ndim == 2 and np.issubdtype(input_ids.dtype, np.integer),
+        f"expected an integer array [batch, length], got {input_ids.dtype} {list(input_ids.shape)}",
+    )
+    B, L = input_ids.shape
+    _check("input_ids", L > 0 and B > 0, "empty prompt batch")
+    vocab = model.config.vocab_size
+    _check(
+        "input_ids",
+        int(input_ids.min()) >= 0 and int(input_ids.max()) < vocab,
+        f"token ids must lie in [0, {vocab}) (vocab_size)",
+    )
+    if max_new_tokens is not None:
+        max_length = L + max_new_tokens
+    elif max_length is None:
+        max_length = 20  # upstream DreamGenerationConfig default
+    _check(
+        "max_length",
+        L < max_length,
+        f"the prompt has {L} tokens but max_length is {max_length}; raise max_length or max_new_tokens",
+    )
+    new_tokens = max_length - L
+    _check(
+        "max_length",
+        max_length <= model.config.max_position_embeddings,
+        f"the prompt ({L} tokens) and {new_tokens} new tokens need {max_length} positions, more than the model's "
+        f"max_position_embeddings ({model.config.max_position_embeddings}, config.json); shorten the prompt or "
+        f"generate fewer tokens",
+    )
+    checked = GenerationSettings.of(**settings).check(new_tokens, blockwise)
+    mask_token_id = model.config.mask_token_id if mask_token_id is None else int(mask_token_id)
+    prompt_masks = np.nonzero((input_ids == mask_token_id).any(axis=0))[0]
+    hooks = generation_tokens_hook_func is not None or generation_logits_hook_func is not None
+    # Hooks see every position, as upstream's do; otherwise start at the first possible mask.
+    first = 0 if hooks else int(prompt_masks[0]) if len(prompt_masks) else L
+    if checked.block_length is not None:
+        _check(
+            "input_ids",
+            not len(prompt_masks),
+            "the prompt holds mask tokens, and block-wise generation fills only the new tokens; fill them with "
+            "the exact path (no block_length, cache, threshold or schedule)",
+        )
+        _check(
+            "generation_logits_hook_func",
+            generation_logits_hook_func is None,
+            "not available block-wise (the steps score only the current block); use the exact path",
+        )
+        first = L
+    if attention_mask is not None:
+        attention_mask = np.asarray(attention_mask)
+        _check(
+            "attention_mask",
+            attention_mask.shape == input_ids.shape,
+            f"shape {list(attention_mask.shape)} differs from input_ids {list(input_ids.shape)}",
+        )
+        attention_mask = np.pad(attention_mask.astype(bool), ((0, 0), (0, new_tokens)), constant_values=True)
+    x = np.concatenate([input_ids.astype(np.int32), np.full((B, new_tokens), mask_token_id, np.int32)], axis=1)
+    program = Program(
+        settings=checked.program,
+        row=checked.row,
+        mask_token_id=mask_token_id,
+        first=first,
+        output_history=bool(output_history),
+        output_scores=bool(output_scores),
+        tokens_hook=generation_tokens_hook_func,
+        logits_hook=generation_logits_hook_func,
+        progress=progress,
+    )
+    x, attention_mask = model.place_batch(x, attention_mask)
+    return Prepared(x, attention_mask, jax.random.key(0) if rng is None else rng, program)
+
+
+def decoding_compiler_options(model, x_BN) -> dict | None:
+    """The compiler options for decoding the canvas `x_BN` on its devices (see `compile_time.compiler_options`)."""
+    devices = x_BN.sharding.device_set
+    return compiler_options(x_BN.size // len(devices), model.dtype, next(iter(devices)).platform)
+
+
+def decoding_program(function, model, x_BN, **jit_kwargs):
+    """`function` jitted with `decoding_compiler_options`: every Dream decoding loop is compiled here. jax.jit over
+    (graphdef, state) rather than nnx.jit: nnx.jit's state bookkeeping costs more than a small forward."""
+    return jit_with_options(function, decoding_compiler_options(model, x_BN), **jit_kwargs)

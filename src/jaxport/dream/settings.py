@@ -1,0 +1,203 @@
+"""Dream decoding settings: one validated model for the Python API, the `jaxport dream` CLI and the server.
+
+The settings fall in two groups, by what a compiled decoding program makes of them:
+
+* `ProgramSettings` shape the program: `steps`, `alg`, `eps`, `block_length`, `cache`, `schedule` (with the
+  canvas geometry: batch, prompt length, new tokens). Each distinct combination is one compilation.
+* `RowSettings` are sampling values of one row: `temperature`, `top_p`, `top_k`, `alg_temp`, `threshold` (and
+  the random key, passed beside them). The program reads them only in the sampler and the unmask rule
+  (`jaxport.dream.sampling`), so they can become runtime inputs of shape `[B]`; today they are compiled in.
+
+`GenerationSettings` holds both, flat, as `diffusion_generate` takes them. `of(**arguments)` validates and
+raises one `JaxportError` naming the argument, its value and what is expected; `check(new_tokens)` adds the
+rules that need the canvas (steps and blocks must divide it).
+"""
+
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+from jaxport.errors import JaxportError
+
+ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+CACHES = ("prefix", "dual")
+# "jaxport": the schedule's share of each row's masks per step, fixed step budgets; "fastdllm": Fast-dLLM's
+# `generation_utils_block._sample` (jaxport.dream.fast)
+SCHEDULES = ("jaxport", "fastdllm")
+BLOCKWISE = ("block_length", "cache", "threshold", "schedule")  # any of them (non-default) decodes block-wise
+
+
+def _rule(ok, expected: str):
+    def check(value):
+        if value is not None and not ok(value):
+            raise ValueError(f"{expected}, got {value!r}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _one_of(choices: tuple, what: str):
+    def check(value):
+        if value is not None and value not in choices:
+            raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _python_scalar(value):
+    """numpy scalars as the Python numbers they hold (`steps=np.int64(8)` is an integer here)."""
+    return value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
+
+
+Count = Annotated[int, BeforeValidator(_python_scalar), _rule(lambda v: v >= 1, "must be a positive integer")]
+NonNegative = Annotated[float, BeforeValidator(_python_scalar), _rule(lambda v: v >= 0, "must be >= 0")]
+Probability = Annotated[float, BeforeValidator(_python_scalar), _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")]
+Fraction = Annotated[float, BeforeValidator(_python_scalar), _rule(lambda v: 0 < v < 1, "must be in (0, 1)")]
+Algorithm = Annotated[str, _one_of(ALGORITHMS, "alg")]
+Cache = Annotated[str, _rule(lambda v: v in CACHES, "must be None, 'prefix' or 'dual'")]
+Schedule = Annotated[str, _one_of(SCHEDULES, "schedule")]
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")  # frozen: hashable, a compiled program's static argument
+
+
+class RowSettings(_Settings):
+    """Per-row sampling values (see the module docstring)."""
+
+    temperature: NonNegative = 0.0
+    top_p: Probability | None = None
+    top_k: Count | None = None
+    alg_temp: NonNegative | None = None
+    threshold: Probability | None = None
+
+
+class ProgramSettings(_Settings):
+    """The settings that shape the compiled program (see the module docstring)."""
+
+    steps: Count = 512  # upstream's default; the CLI, the text API and the server use one step per new token
+    alg: Algorithm = "origin"
+    eps: Fraction = 1e-3
+    block_length: Count | None = None
+    cache: Cache | None = None
+    schedule: Schedule = "jaxport"
+
+
+class GenerationSettings(ProgramSettings, RowSettings):
+    """Every decoding setting, validated (`of`), split into the program's (`program`) and the rows' (`row`)."""
+
+    @classmethod
+    def of(cls, **arguments) -> "GenerationSettings":
+        """Validated settings; `top_p=1` and `alg_temp=0` mean no filter and no sampled order, as upstream, and
+        are stored as None so that equal behaviour compiles once."""
+        try:
+            settings = cls(**arguments)
+        except ValidationError as err:
+            raise settings_error(err) from None
+        return settings.model_copy(
+            update={
+                "top_p": None if settings.top_p == 1 else settings.top_p,
+                "alg_temp": settings.alg_temp or None,
+            }
+        )
+
+    @property
+    def blockwise(self) -> bool:
+        """Whether a fast-decoding setting is given (then generation runs block-wise, `jaxport.dream.fast`)."""
+        return any(getattr(self, name) not in (None, "jaxport") for name in BLOCKWISE)
+
+    @property
+    def program(self) -> ProgramSettings:
+        return ProgramSettings(**{name: getattr(self, name) for name in ProgramSettings.model_fields})
+
+    @property
+    def row(self) -> RowSettings:
+        return RowSettings(**{name: getattr(self, name) for name in RowSettings.model_fields})
+
+    def arguments(self) -> dict:
+        """The settings as `diffusion_generate` keyword arguments, those at their default left out."""
+        return self.model_dump(exclude_defaults=True)
+
+    def check(self, new_tokens: int, blockwise: bool = False) -> "GenerationSettings":
+        """These settings for a canvas of `new_tokens` new tokens; block-wise (`blockwise` or a fast-decoding
+        setting), with `block_length` resolved (default: one block of all new tokens)."""
+        _check(
+            "steps",
+            self.steps <= new_tokens,
+            f"steps={self.steps} must be between 1 and the number of new tokens ({new_tokens})",
+        )
+        if not (blockwise or self.blockwise):
+            return self
+        block_length = new_tokens if self.block_length is None else self.block_length
+        _check(
+            "block_length",
+            block_length <= new_tokens and new_tokens % block_length == 0,
+            f"block_length={block_length} must divide the number of new tokens ({new_tokens})",
+        )
+        blocks = new_tokens // block_length
+        _check(
+            "steps",
+            self.steps % blocks == 0,
+            f"steps={self.steps} must be divisible by the number of blocks ({blocks} = "
+            f"{new_tokens} new tokens / block_length {block_length})",
+        )
+        _check(
+            "alg",
+            not (self.schedule == "fastdllm" and self.alg == "origin"),
+            "schedule 'fastdllm' ranks the block's masks by confidence, which alg 'origin' (a random order) has "
+            "not; Fast-dLLM's scheduled decoding is alg 'entropy', its confidence_threshold alg 'maskgit_plus'",
+        )
+        return self.model_copy(update={"block_length": block_length})
+
+
+def _check(name: str, ok: bool, message: str):
+    if not ok:
+        raise JaxportError(f"{name}: {message}")
+
+
+def settings_error(err: ValidationError) -> JaxportError:
+    """The first problem in `err` as `name: what is wrong` (the message of jaxport's own rules, or pydantic's
+    with the value given)."""
+    error = err.errors()[0]
+    name = ".".join(str(part) for part in error["loc"]) or "settings"
+    if error["type"] == "value_error":
+        return JaxportError(f"{name}: {error['ctx']['error']}")
+    if error["type"] == "extra_forbidden":
+        return JaxportError(f"{name}: unknown generation argument")
+    return JaxportError(f"{name}: {error['msg']}, got {error['input']!r}")
+
+
+FASTDLLM_TOP_K = 50  # transformers' PretrainedConfig default, which reaches Fast-dLLM's generation config
+
+
+def fastdllm_settings(
+    *,
+    steps: int,
+    alg: str = "origin",
+    threshold: float = 0.9,
+    block_length: int = 32,
+    dual_cache: bool = False,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    alg_temp: float | None = None,
+) -> dict:
+    """The `diffusion_generate` settings that decode as Fast-dLLM's `diffusion_generate` (generation_utils_block.py)
+    called with these arguments and defaults. Its `confidence_threshold` ranks by the candidate's probability
+    (`maskgit_plus`); every other `alg` is its scheduled decoding, ranked by negative entropy. A call without
+    `top_k` decodes with 50 there: `DreamGenerationConfig.from_model_config` takes transformers' `PretrainedConfig`
+    defaults (top_k 50, top_p 1.0, which filters nothing)."""
+    by_threshold = alg == "confidence_threshold"
+    return dict(
+        steps=steps,
+        alg="maskgit_plus" if by_threshold else "entropy",
+        threshold=threshold if by_threshold else None,
+        block_length=block_length,
+        cache="dual" if dual_cache else "prefix",
+        schedule="fastdllm",
+        temperature=temperature,
+        top_p=top_p,
+        top_k=FASTDLLM_TOP_K if top_k is None else top_k,
+        alg_temp=alg_temp,
+    )
