@@ -31,7 +31,7 @@ from jaxport.dream import tasks
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.config import preset as model_preset
 from jaxport.dream.data import Batches, Rows, load_rows
-from jaxport.dream.generate import diffusion_generate
+from jaxport.dream.decoding import diffusion_generate
 from jaxport.dream.params import abstract_model, load_model, parse_mesh, random_model, resolve_dtype, save_pretrained
 from jaxport.dream.tokenizer import DreamTokenizer, copy_tokenizer_files, special_token_ids, train_tokenizer
 from jaxport.errors import JaxportError
