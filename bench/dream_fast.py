@@ -27,7 +27,7 @@ import numpy as np
 from _common import environment, peak_rss_bytes
 
 from jaxport import dream
-from jaxport.dream import bench
+from jaxport.dream import throughput
 
 NAMES = {"exact": "exact", "cache": "+cache", "parallel": "+parallel", "both": "+cache +parallel"}  # for logs
 
@@ -60,7 +60,7 @@ def speed(model, input_ids, attention_mask, repeats: int, **generation_args) -> 
     run = lambda: jax.block_until_ready(
         model.diffusion_generate(input_ids, attention_mask, return_dict_in_generate=False, **generation_args)
     )
-    compile_s, times = bench.timed(run, repeats)
+    compile_s, times = throughput.timed(run, repeats)
     median = statistics.median(times)
     return {
         "compile_s": round(compile_s, 2),
@@ -209,7 +209,7 @@ def main():
         "problems": len(problems) if problems else None,
         "results": rows,
         "peak_rss_bytes": peak_rss_bytes(),
-        "peak_device_memory_bytes": bench.peak_memory_bytes(),
+        "peak_device_memory_bytes": throughput.peak_memory_bytes(),
         "loadavg": os.getloadavg(),
     }
     if args.upstream:
