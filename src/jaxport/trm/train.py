@@ -110,7 +110,7 @@ class Trainer:
         )
         self.evaluators = self._make_evaluators()
         self._train_step = runtime.jit_training_step(
-            self._step, self.model.runtime((self.gbs, self.model_config.seq_len), self.mesh), donate_argnums=0
+            self._step, self.model.runtime_for((self.gbs, self.model_config.seq_len), self.mesh), donate_argnums=0
         )
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
