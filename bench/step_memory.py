@@ -23,16 +23,16 @@ import sys
 POLICIES = ("mmap", "heap", "jaxport", "tunable")
 
 
-def heap_huge_pages_mb() -> int:
-    """The heap's memory on transparent huge pages (AnonHugePages of `[heap]` in /proc/self/smaps)."""
-    in_heap, kb = False, 0
+def heap_mb() -> dict:
+    """The heap's resident memory and how much of it is on transparent huge pages (`[heap]` in /proc/self/smaps)."""
+    in_heap, kb = False, {"Rss:": 0, "AnonHugePages:": 0}
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
-            if "-" in line.split()[0] and not line.split()[0].endswith(":"):
+            if not line.split()[0].endswith(":"):
                 in_heap = line.rstrip().endswith("[heap]")
-            elif in_heap and line.startswith("AnonHugePages:"):
-                kb += int(line.split()[1])
-    return kb // 1024
+            elif in_heap and line.split()[0] in kb:
+                kb[line.split()[0]] += int(line.split()[1])
+    return {"heap_mb": kb["Rss:"] // 1024, "heap_huge_pages_mb": kb["AnonHugePages:"] // 1024}
 
 
 def measure(workload: str, policy: str, calls: int) -> dict:
@@ -79,7 +79,7 @@ def measure(workload: str, policy: str, calls: int) -> dict:
         "ms_per_call": round(1e3 * float(np.median(times)), 2),
         "page_faults_per_call": round((end.ru_minflt - start.ru_minflt) / calls),
         "system_s_per_call": round((end.ru_stime - start.ru_stime) / calls, 4),
-        "heap_huge_pages_mb": heap_huge_pages_mb(),
+        **heap_mb(),
         "peak_rss_mb": round(end.ru_maxrss / 1024),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
     }

@@ -16,7 +16,7 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
 MMAP_THRESHOLD = 32 << 20  # glibc's largest: smaller blocks come from the heap
 TRIM_THRESHOLD = 1 << 30  # free memory the heap keeps at its top before returning it
 TOP_PAD = 64 << 20  # the heap grows by this much more than it needs
-MADV_HUGEPAGE = 14
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 
 _tuned = {"training": False}
 
@@ -61,11 +61,11 @@ def tuned_for_training() -> bool:
 
 
 def keep_temporaries(compiled) -> None:
-    """Serve every block from the heap from now on, never trimmed below the temporaries of `compiled` (an XLA:CPU
-    program, which allocates them as one block per call), and reserve them on transparent huge pages. Temporaries
-    above `TRIM_THRESHOLD` stay mapped afresh unless two blocks of them fit in half the machine's memory: a
-    long-lived block freed into the middle of the hole can make the heap grow by a second one. Only in a process
-    tuned for training, whose steps allocate on the main thread."""
+    """Serve every block from the heap from now on, never trimmed below two blocks of the temporaries of `compiled`
+    (an XLA:CPU program, which allocates them as one block per call; calls may take two in turn), all of it on
+    transparent huge pages. Temporaries above `TRIM_THRESHOLD` stay mapped afresh unless two blocks of them fit in
+    half the machine's memory: a long-lived block freed into the middle of the hole can make the heap grow by a
+    second one. Only in a process tuned for training, whose steps allocate on the main thread."""
     libc = _libc()
     if not _tuned["training"] or libc is None:
         return
@@ -77,28 +77,35 @@ def keep_temporaries(compiled) -> None:
         if 4 * temp > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
             return
         libc.mallopt(M_TRIM_THRESHOLD, -1)  # glibc reads -1 as the largest size: never trim
+    else:
+        libc.mallopt(M_TRIM_THRESHOLD, max(TRIM_THRESHOLD, 2 * temp + TOP_PAD))
     libc.mallopt(M_MMAP_MAX, 0)
-    _reserve_on_huge_pages(libc, temp)
+    _on_huge_pages(libc, reserve=2 * temp)
 
 
-def _reserve_on_huge_pages(libc, size: int) -> None:
-    """Grow the heap by `size` bytes, untouched, and advise all of it as transparent huge pages, as glibc's
-    `glibc.malloc.hugetlb=1` tunable does for each extension of the heap (tunables are read only when a process
-    starts). The step's temporaries are then faulted in 2 MB at a time, once."""
-    libc.free(libc.malloc(size))
+def _on_huge_pages(libc, reserve: int) -> None:
+    """Advise the heap as transparent huge pages, collapse what it holds already (weights, optimizer state) into
+    them, and grow it by `reserve` bytes, untouched and advised too: what glibc's `glibc.malloc.hugetlb=1` tunable
+    does for each extension of the heap (tunables are read only when a process starts). Best effort: a kernel
+    without transparent huge pages or `MADV_COLLAPSE` (Linux 6.1) refuses the advice, and nothing changes."""
+    heap = _heap_range()
+    if heap is not None:
+        libc.madvise(heap[0], heap[1] - heap[0], MADV_HUGEPAGE)
+        libc.madvise(heap[0], heap[1] - heap[0], MADV_COLLAPSE)
+    libc.free(libc.malloc(reserve))
     heap = _heap_range()
     if heap is not None:
         libc.madvise(heap[0], heap[1] - heap[0], MADV_HUGEPAGE)
 
 
 def _heap_range() -> tuple[int, int] | None:
-    """(start, end) of this process's heap (`[heap]` in /proc/self/maps)."""
+    """(start, end) of this process's heap: the `[heap]` mappings of /proc/self/maps, which advice splits in parts."""
+    parts = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 if line.rstrip().endswith("[heap]"):
-                    start, end = line.split()[0].split("-")
-                    return int(start, 16), int(end, 16)
+                    parts.append([int(address, 16) for address in line.split()[0].split("-")])
     except OSError:
         pass
-    return None
+    return (parts[0][0], parts[-1][1]) if parts else None
