@@ -66,3 +66,5 @@ def test_the_runtime_comes_from_the_program_s_devices_not_the_default_backend():
     assert runtime.for_devices([a_gpu]).for_program(jnp.float32, 768).compiler_options is None
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:1]), ("data",))
     assert runtime.for_devices(mesh) == runtime.Runtime(platform="cpu", devices=1)
+    canvas = jax.device_put(np.zeros((4, 4096), np.int32), jax.devices("cpu")[0])  # a decoder's: 16384 token rows
+    assert runtime.for_tokens(canvas, jnp.float32).compiler_options == {policy.YNN_FUSION_TYPES: ""}

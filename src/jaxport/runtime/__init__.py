@@ -4,6 +4,27 @@ applied where each program is jitted. Models and layers describe the math; they 
 `current()` while a program is traced."""
 
 from jaxport.runtime import host_memory
-from jaxport.runtime.policy import Runtime, current, devices_of, for_devices, jit, jit_training_step, use
+from jaxport.runtime.policy import (
+    Runtime,
+    current,
+    devices_of,
+    for_devices,
+    for_tokens,
+    jit,
+    jit_once,
+    jit_training_step,
+    use,
+)
 
-__all__ = ["Runtime", "current", "devices_of", "for_devices", "host_memory", "jit", "jit_training_step", "use"]
+__all__ = [
+    "Runtime",
+    "current",
+    "devices_of",
+    "for_devices",
+    "for_tokens",
+    "host_memory",
+    "jit",
+    "jit_once",
+    "jit_training_step",
+    "use",
+]

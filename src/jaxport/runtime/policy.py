@@ -91,6 +91,13 @@ def for_devices(devices=None) -> Runtime:
     )
 
 
+def for_tokens(x_BN, dtype) -> Runtime:
+    """The runtime of a program computing in `dtype` whose matrix products have a row per element of the token array
+    `x_BN` (a decoder's canvas), over the devices `x_BN` is on."""
+    devices_runtime = for_devices(devices_of(x_BN))
+    return devices_runtime.for_program(dtype, x_BN.size // devices_runtime.devices)
+
+
 def devices_of(tree):
     """The devices of the first array in `tree` committed to devices (None where none is: JAX then computes on the
     default devices)."""
@@ -135,6 +142,13 @@ def jit(function, runtime: Runtime, **jit_kwargs):
             return function(*args, **kwargs)
 
     return jax.jit(traced, compiler_options=runtime.compiler_options, **jit_kwargs)
+
+
+@functools.cache
+def jit_once(function, runtime: Runtime, **jit_kwargs):
+    """`jit(function, runtime, ...)`, made once per distinct arguments: for a module-level function jitted where it is
+    called (a model's forward, a decoding program), so that JAX's cache of its compilations is kept."""
+    return jit(function, runtime, **jit_kwargs)
 
 
 def jit_training_step(function, runtime: Runtime, **jit_kwargs):

@@ -8,7 +8,6 @@
 Shapes: B batch, S = puzzle positions P + seq_len positions, D hidden.
 """
 
-import functools
 import math
 
 import jax
@@ -313,7 +312,9 @@ class TRM(nnx.Module):
         """`forward`, compiled; the halting RNG's new state is written back to the module."""
         batch = {k: jnp.asarray(batch[k]) for k in BATCH_KEYS}
         graphdef, state = nnx.split(self)
-        forward = _jitted_forward(self.runtime_for(batch["inputs"].shape, runtime.devices_of(state)))
+        forward = runtime.jit_once(
+            _forward, self.runtime_for(batch["inputs"].shape, runtime.devices_of(state)), static_argnames="graphdef"
+        )
         outputs, state = forward(graphdef, state, carry, batch)
         nnx.update(self, state)
         return outputs
@@ -322,11 +323,6 @@ class TRM(nnx.Module):
 def _forward(graphdef, state, carry: Carry, batch: dict):
     model = nnx.merge(graphdef, state)
     return model.forward(carry, batch), nnx.state(model)
-
-
-@functools.cache
-def _jitted_forward(forward_runtime: runtime.Runtime):
-    return runtime.jit(_forward, forward_runtime, static_argnames="graphdef")
 
 
 def loss_and_grad(model: TRM, carry: Carry, batch: dict, global_batch_size: int, halt_key=None):
