@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 import openai
 
-from jaxport.dream.bench import environment
+from jaxport.dream.throughput import environment
 
 TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "dream" / "tiny_bf16" / "model"
 PROMPTS = [

@@ -14,7 +14,7 @@ from jaxport.errors import JaxportError
 
 
 def _mesh(spec: str | None):
-    from jaxport.dream.params import parse_mesh
+    from jaxport.distributed import parse_mesh
 
     return parse_mesh(spec)
 
@@ -153,7 +153,7 @@ def generate(args) -> int:
 
 def bench(args) -> int:
     from jaxport import dream
-    from jaxport.dream import bench as bench_lib
+    from jaxport.dream import throughput
 
     mesh = _mesh(args.mesh)
     if args.random_init:
@@ -164,7 +164,7 @@ def bench(args) -> int:
         raise JaxportError("give --model DIR or --random-init SIZE (7b, 40m, tiny)")
     batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
     steps = args.max_new_tokens if args.steps is None else args.steps
-    result = bench_lib.run(
+    result = throughput.run(
         model,
         prompt_len=args.prompt_len,
         new_tokens=args.max_new_tokens,

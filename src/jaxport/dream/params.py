@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
-from jaxport.distributed.mesh import logical_sharding, make_mesh
+# parse_mesh is jaxport.distributed.parse_mesh; importable from here for one more release
+from jaxport.distributed.mesh import logical_sharding, parse_mesh  # noqa: F401
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.model import DreamModel
 from jaxport.dtypes import float_dtype
@@ -66,19 +67,6 @@ def param_sharding(mesh: Mesh | None, name: str, shape: tuple) -> jax.sharding.S
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return logical_sharding(mesh, *logical_axes(name), shape=shape)
-
-
-def parse_mesh(spec: str | None) -> Mesh | None:
-    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over every device (None without a spec)."""
-    if not spec:
-        return None
-    try:
-        data, fsdp, model = (int(v) for v in spec.split(","))
-        return make_mesh(data=data, fsdp=fsdp, model=model)
-    except ValueError as err:
-        raise JaxportError(
-            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {jax.device_count()} devices ({err})"
-        ) from None
 
 
 def open_safetensors(path: Path):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxport.compile_time import compiler_options, jit_with_options
+from jaxport import runtime
 from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
 from jaxport.errors import JaxportError
 
@@ -206,13 +206,8 @@ def prepare_generation(
     return Prepared(x, attention_mask, jax.random.key(0) if rng is None else rng, program)
 
 
-def decoding_compiler_options(model, x_BN) -> dict | None:
-    """The compiler options for decoding the canvas `x_BN` on its devices (see `compile_time.compiler_options`)."""
-    devices = x_BN.sharding.device_set
-    return compiler_options(x_BN.size // len(devices), model.dtype, next(iter(devices)).platform)
-
-
 def decoding_program(function, model, x_BN, **jit_kwargs):
-    """`function` jitted with `decoding_compiler_options`: every Dream decoding loop is compiled here. jax.jit over
-    (graphdef, state) rather than nnx.jit: nnx.jit's state bookkeeping costs more than a small forward."""
-    return jit_with_options(function, decoding_compiler_options(model, x_BN), **jit_kwargs)
+    """`function` jitted under the runtime of a program decoding the canvas `x_BN` on its devices
+    (`runtime.for_tokens`): every Dream decoding loop is compiled here. jax.jit over (graphdef, state) rather than
+    nnx.jit: nnx.jit's state bookkeeping costs more than a small forward."""
+    return runtime.jit_once(function, runtime.for_tokens(x_BN, model.dtype), **jit_kwargs)

@@ -24,15 +24,15 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxport import malloc
+from jaxport import runtime
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.distributed import fetch_replicated, make_mesh, shard_batch
+from jaxport.distributed import fetch_replicated, make_mesh, parse_mesh, shard_batch
 from jaxport.dream import tasks
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.config import preset as model_preset
 from jaxport.dream.data import Batches, Rows, load_rows
 from jaxport.dream.decoding import diffusion_generate
-from jaxport.dream.params import abstract_model, load_model, parse_mesh, random_model, resolve_dtype, save_pretrained
+from jaxport.dream.params import abstract_model, load_model, random_model, resolve_dtype, save_pretrained
 from jaxport.dream.tokenizer import DreamTokenizer, copy_tokenizer_files, special_token_ids, train_tokenizer
 from jaxport.errors import JaxportError
 from jaxport.nn import softmax_cross_entropy
@@ -205,14 +205,17 @@ def initial_state(params, tx, mesh) -> TrainState:
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, opt_state=opt_state)
 
 
-def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shardings):
-    """`step(state, batch [accum, B, L] arrays, key) -> (state, metrics)`, jitted with the state donated."""
+def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shardings, step_runtime):
+    """`step(state, batch [accum, B, L] arrays, key) -> (state, metrics)`, jitted under `step_runtime` with the
+    state donated."""
 
     def loss_fn(params, batch, key):
         model = nnx.merge(compute_graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         return diffusion_loss(model, batch, key, eps)
 
-    @functools.partial(jax.jit, donate_argnums=0, out_shardings=(state_shardings, None))
+    @functools.partial(
+        runtime.jit_training_step, runtime=step_runtime, donate_argnums=0, out_shardings=(state_shardings, None)
+    )
     def step(state: TrainState, batches: dict, key):
         accum = batches["input_ids"].shape[0]
 
@@ -335,7 +338,10 @@ def train(preset: str | None = None, **options) -> dict:
     compute_graphdef, _ = nnx.split(abstract_model(model.config, dtype, mesh))
     tx, schedule = optimizer(cfg)
     state = initial_state(params, tx, mesh)
-    train_step = make_train_step(compute_graphdef, tx, dtype, cfg.eps, jax.tree.map(lambda x: x.sharding, state))
+    step_runtime = runtime.for_devices(mesh).for_program(dtype, cfg.batch_size // rows_per_device * cfg.seq_len)
+    train_step = make_train_step(
+        compute_graphdef, tx, dtype, cfg.eps, jax.tree.map(lambda x: x.sharding, state), step_runtime
+    )
 
     process, processes = jax.process_index(), jax.process_count()
     local_rows = cfg.batch_size // processes  # each process feeds its own rows of every micro-batch
@@ -372,7 +378,6 @@ def train(preset: str | None = None, **options) -> dict:
             index = batches.next().reshape(cfg.grad_accum, cfg.batch_size)
             index = index[:, process * local_rows : (process + 1) * local_rows]
             args = (state, shard_batch(rows.take(index), mesh, batch_dim=-2), jax.random.fold_in(base_key, step))
-            malloc.reuse_memory_before_first_call(train_step, *args)
             state, metrics = train_step(*args)
             loss = float(fetch_replicated(metrics["loss"]))
             run.check_finite(step, loss)

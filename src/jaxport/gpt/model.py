@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxport.compile_time import LARGE_MATMUL_ROWS
+from jaxport import runtime
 from jaxport.errors import JaxportError
 from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
@@ -123,14 +123,10 @@ class Block(nnx.Module):
 
 
 def _row_chunks(batch: int, length: int) -> int:
-    """Row chunks for the blocks without dropout (`nn.in_row_chunks`): two on a CPU whose devices hold fewer than
-    `LARGE_MATMUL_ROWS` tokens each, whose small products and elementwise ops otherwise run one after another on one
-    core (2026-11-25, 2-core AMX host: nanoGPT README's CPU config, 768 tokens, iteration 48-51 -> 44.5 ms, three
-    runs each; 3, 4 and 6 chunks 49.5, 45.1, 54.2 ms; train_shakespeare_char, 16384 tokens, level). Dropout
-    masks depend on a row's place in the whole batch, so a run with dropout keeps one chunk."""
-    devices = jax.device_count()
-    small = batch // devices * length < LARGE_MATMUL_ROWS
-    return 2 if jax.default_backend() == "cpu" and small and batch % (2 * devices) == 0 else 1
+    """Row chunks for the blocks without dropout (`nn.in_row_chunks`), as the program's runtime chooses for rows of
+    `length` tokens (`runtime.current()`: docs/performance.md, "Row chunks"). Dropout masks depend on a row's place in
+    the whole batch, so a run with dropout keeps one chunk."""
+    return runtime.current().row_chunks(batch, tokens_per_row=length)
 
 
 def cross_entropy(logits_BTV, targets_BT):

@@ -30,10 +30,9 @@ import pydantic
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxport import malloc
+from jaxport import runtime
 from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.compile_time import compiler_options
 from jaxport.distributed import fetch_replicated, gather_to_host, make_mesh, replicate, shard_batch, tree_shardings
 from jaxport.dtypes import float_dtype
 from jaxport.errors import JaxportError
@@ -269,7 +268,7 @@ class Trainer:
         self.loss_scale = replicate(self.loss_scale, self.mesh)
         state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
         # batch_size is per device (nanoGPT's DDP rule)
-        self.compiler_options = compiler_options(cfg["batch_size"] * cfg["block_size"], self.dtype, devices[0].platform)
+        self.runtime = runtime.for_devices(self.mesh).for_program(self.dtype, cfg["batch_size"] * cfg["block_size"])
         self._step = _make_train_step(
             self.graphdef,
             self.optimizer,
@@ -277,10 +276,15 @@ class Trainer:
             cfg["dropout"] > 0,
             state_shardings,
             loss_scaling=self.dtype == jnp.float16,
-            compiler_options=self.compiler_options,
+            step_runtime=self.runtime,
             seed=cfg["seed"],
         )
-        self._eval = _make_eval_step(self.graphdef, self.compiler_options)
+        self._eval = _make_eval_step(self.graphdef, self.runtime)
+
+    @property
+    def compiler_options(self) -> dict | None:
+        """The XLA options the step and the evaluation compile with (`runtime`)."""
+        return self.runtime.compiler_options
 
     @property
     def model(self) -> GPT:
@@ -316,7 +320,6 @@ class Trainer:
         (micro losses, grad norm) as device arrays (reading them waits for the step). The arguments go in as
         numpy values: an eager `jnp` conversion or key would wait for the step before it."""
         args = self.step_args(X, Y, lr, draw)
-        malloc.reuse_memory_before_first_call(self._step, *args)
         self.params, self.opt_state, self.loss_scale, losses, norm = self._step(*args)
         return losses, norm
 
@@ -363,17 +366,17 @@ class Trainer:
 
 
 def _make_train_step(
-    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, compiler_options, seed
+    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, step_runtime, seed
 ):
     def loss_fn(params, x, y, rng):
         return nnx.merge(graphdef, params).forward(x, y, rng if dropout else None)[1]
 
     # outputs keep the inputs' shardings, so the next call reuses this compilation
     @functools.partial(
-        jax.jit,
+        runtime.jit_training_step,
+        runtime=step_runtime,
         donate_argnums=(0, 1),
         out_shardings=(*state_shardings, None, None),
-        compiler_options=compiler_options,
     )
     def step(params, opt_state, loss_scale, X, Y, lr, draw):
         # the dropout key of iteration `draw`, made here: made on the host, it waited for the step before it
@@ -414,8 +417,8 @@ def _make_train_step(
     return step
 
 
-def _make_eval_step(graphdef, compiler_options):
-    @functools.partial(jax.jit, compiler_options=compiler_options)
+def _make_eval_step(graphdef, step_runtime):
+    @functools.partial(runtime.jit, runtime=step_runtime)
     def evaluate(params, X_NBT, Y_NBT):  # all N batches in one compiled call, one batch at a time
         model = nnx.merge(graphdef, params)
         return jax.lax.map(lambda xy: model.forward(*xy)[1], (X_NBT, Y_NBT))

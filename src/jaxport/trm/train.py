@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from jaxport import malloc
+from jaxport import runtime
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.checkpoint.torch_io import load_torch_file, save_torch_file
 from jaxport.distributed import fetch_replicated, local_rows, make_mesh, replicate, shard_batch, shard_leading
@@ -109,10 +109,8 @@ class Trainer:
             learning_rate=config.lr, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay
         )
         self.evaluators = self._make_evaluators()
-        self._train_step = jax.jit(
-            self._step,
-            donate_argnums=0,
-            compiler_options=self.model.compiler_options((self.gbs, self.model_config.seq_len)),
+        self._train_step = runtime.jit_training_step(
+            self._step, self.model.runtime_for((self.gbs, self.model_config.seq_len), self.mesh), donate_argnums=0
         )
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
@@ -225,7 +223,6 @@ class Trainer:
         puzzle_lr = compute_lr(config.puzzle_emb_lr, **lr_args)
         # numpy scalars: jnp.float32(lr) runs a conversion that waits for the step before it, as a key made here did
         args = (self.state, shard_batch(batch, self.mesh), np.float32(lr), np.float32(puzzle_lr))
-        malloc.reuse_memory_before_first_call(self._train_step, *args)
         self.state, outputs = self._train_step(*args)
         self.step = step
         self.pending.append((step, lr, outputs))
