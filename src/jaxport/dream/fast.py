@@ -166,6 +166,13 @@ def run_blocks(model, x_BN, valid_BN, key, cfg: SamplingConfig) -> Iterator[Fini
         yield finished
 
 
+def block_target(model, x_BN, valid_BN, key, cfg: SamplingConfig, index: int = 0) -> tuple:
+    """`(jitted program, arguments)` of block `index` as `run_blocks` runs it (for `--compile-for`)."""
+    static = ("graphdef", "cfg", "block") if cfg.cache == "prefix" else ("graphdef", "cfg")
+    program = decoding_program(_block, model, x_BN, static_argnames=static)
+    return program, (*nnx.split(model), x_BN, valid_BN, key, index, cfg)
+
+
 def generate_blocks(model, input_ids, attention_mask=None, **generation_args) -> Iterator[FinishedBlock]:
     """Block-wise generation that hands over each block as soon as it is finished.
 

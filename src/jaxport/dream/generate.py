@@ -505,3 +505,14 @@ def diffusion_generate(
     if not return_dict_in_generate:
         return sequences
     return GenerationOutput(sequences=sequences, **records)
+
+
+def decoding_target(model, x_BN, attention_mask_BN, key, cfg: SamplingConfig) -> tuple:
+    """`(jitted program, arguments)` of the decoding `diffusion_generate` runs on arguments `prepare_generation`
+    prepared: the exact path's whole loop, or block-wise the first block's steps (for `--compile-for`)."""
+    if cfg.block_length is not None:
+        from jaxport.dream.fast import block_target
+
+        return block_target(model, x_BN, attention_mask_BN, key, cfg)
+    program = decoding_program(_generate, model, x_BN, static_argnames=("graphdef", "cfg"))
+    return program, (*nnx.split(model), x_BN, attention_mask_BN, key, cfg)

@@ -68,16 +68,17 @@ def param_sharding(mesh: Mesh | None, name: str, shape: tuple) -> jax.sharding.S
     return logical_sharding(mesh, *logical_axes(name), shape=shape)
 
 
-def parse_mesh(spec: str | None) -> Mesh | None:
-    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over every device (None without a spec)."""
+def parse_mesh(spec: str | None, devices=None) -> Mesh | None:
+    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over `devices` (default: every device; None without a spec)."""
     if not spec:
         return None
     try:
         data, fsdp, model = (int(v) for v in spec.split(","))
-        return make_mesh(data=data, fsdp=fsdp, model=model)
+        return make_mesh(data=data, fsdp=fsdp, model=model, devices=devices)
     except ValueError as err:
+        count = jax.device_count() if devices is None else len(devices)
         raise JaxportError(
-            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {jax.device_count()} devices ({err})"
+            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {count} devices ({err})"
         ) from None
 
 
@@ -122,6 +123,17 @@ def abstract_model(cfg: DreamConfig, dtype, mesh: Mesh | None) -> DreamModel:
     """The model's structure with shape-only parameters: nothing is allocated until loading."""
     model = nnx.eval_shape(lambda: DreamModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     model.mesh = mesh
+    return model
+
+
+def placed_abstract_model(cfg: DreamConfig, dtype, mesh: Mesh) -> DreamModel:
+    """The model `load_model` builds on `mesh`, its weights as shapes with the shardings they would have there:
+    nothing read or allocated (a program compiled ahead of time takes it)."""
+    dtype = resolve_dtype(dtype)
+    model = abstract_model(cfg, dtype, mesh)
+    for name, var in _variables(model):
+        shape = tuple(var.get_value().shape)
+        var.set_value(jax.ShapeDtypeStruct(shape, dtype, sharding=param_sharding(mesh, name, shape)))
     return model
 
 
