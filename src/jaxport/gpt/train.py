@@ -48,8 +48,9 @@ from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
 from jaxport.gpt.data import Batches, load_meta
-from jaxport.gpt.model import GPT, Checkpoint, device_peak_flops, estimate_mfu, load_checkpoint
+from jaxport.gpt.model import GPT, Checkpoint, estimate_mfu, load_checkpoint
 from jaxport.runtime.compile_for import abstract
+from jaxport.runtime.topologies import device_peak_flops
 from jaxport.training.optimizers import moment_shardings
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
 from jaxport.typed_config import validate

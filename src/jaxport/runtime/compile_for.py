@@ -159,6 +159,8 @@ def topology_devices(tpu: Slice) -> list:
         )
     from jax.experimental import topologies
 
+    # compiling uses no TPU: any number of processes (other commands, test workers) may load libtpu at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         with quiet_stderr():
             topology = topologies.get_topology_desc(
@@ -496,7 +498,9 @@ def format_report(report: Report) -> str:
         else:
             text += " (XLA's count)"
         devices = program.mesh.devices.size
-        lines.append(f"  FLOPs        {text}; {count(report.total_flops * devices, 'FLOP')} over the mesh's {devices}")
+        lines.append(
+            f"  FLOPs        {text}; {count(report.total_flops * devices, 'FLOP')} over the mesh's {devices} devices"
+        )
     if report.memory is not None:
         lines.append(
             "  collectives  "
