@@ -61,6 +61,21 @@ def _fast_args(args) -> dict:
     return {"block_length": args.block_length, "cache": args.cache, "threshold": args.threshold}
 
 
+def _generation_args(args) -> dict:
+    """`diffusion_generate`'s arguments from `jaxport dream generate`'s flags."""
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        steps=args.max_new_tokens if args.steps is None else args.steps,
+        alg=args.alg,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        alg_temp=args.alg_temp,
+        eps=args.eps,
+        **_fast_args(args),
+    )
+
+
 def _read_prompts(args) -> list:
     if args.prompt is not None:
         return [args.prompt]
@@ -131,17 +146,9 @@ def generate(args) -> int:
         out = model.diffusion_generate(
             input_ids,
             attention_mask,
-            max_new_tokens=args.max_new_tokens,
-            steps=steps,
-            alg=args.alg,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            alg_temp=args.alg_temp,
-            eps=args.eps,
+            **_generation_args(args),
             rng=jax.random.key(args.seed + first),
             progress=progress,
-            **_fast_args(args),
         )
         sequences = jax.device_get(out.sequences)
         if not args.watch and state.get("step") != steps:  # block-wise: blocks may end before their last step
@@ -312,17 +319,7 @@ def _compile_generate(args) -> int:
     prompt_len = max(len(tokenizer.encode(t)) for t in texts)
     rows = (texts * args.batch_size)[: args.batch_size]  # a full batch, as the first batch of enough prompts
     steps = args.max_new_tokens if args.steps is None else args.steps
-    generation = dict(
-        max_new_tokens=args.max_new_tokens,
-        steps=steps,
-        alg=args.alg,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        alg_temp=args.alg_temp,
-        eps=args.eps,
-        **_fast_args(args),
-    )
+    generation = _generation_args(args)
 
     def build(devices, spec=args.mesh):
         mesh, flag = _compile_mesh(spec, devices)
