@@ -105,6 +105,22 @@ def test_a_generation_libtpu_refuses_is_named():
         compile_for.topology_devices(unknown)
 
 
+def test_the_models_choose_for_the_target_while_tracing():
+    """Code that picks its layout by `jax.default_backend()` (here XLA:CPU's row-major copies) sees the target."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxport.nn.linear import row_major
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU's choice is the one to tell apart")
+    a = jnp.ones((4, 4))
+    assert row_major(a) is not a
+    with compile_for.tracing_for("tpu"):
+        assert jax.default_backend() == "tpu" and row_major(a) is a
+    assert jax.default_backend() == "cpu"
+
+
 # -- the compiled program read back
 
 
