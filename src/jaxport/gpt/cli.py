@@ -110,12 +110,9 @@ def compile_train(cfg: dict, slice_name: str) -> int:
         )
         return [Program(title, step, args, mesh, f"--fsdp={fsdp}")]
 
-    def refits(devices):
-        fsdp = cfg["fsdp"] * 2
-        while fsdp <= len(devices):
-            if len(devices) % fsdp == 0:
-                yield f"--fsdp={fsdp}", lambda fsdp=fsdp: build(devices, fsdp)
-            fsdp *= 2
+    def refits(devices):  # the other FSDP ways dividing the devices, fewest first
+        for fsdp in (f for f in range(1, len(devices) + 1) if len(devices) % f == 0 and f != cfg["fsdp"]):
+            yield f"--fsdp={fsdp}", lambda fsdp=fsdp: build(devices, fsdp)
 
     compile_for(slice_name, build, refits)
     return 0

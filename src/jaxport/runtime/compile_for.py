@@ -71,6 +71,7 @@ class Report:
     hlo: HloSummary | None = None
     refit: str | None = None  # what fits instead, when this does not
     refused: str | None = None  # XLA:TPU's words, when it refused to compile the program for want of HBM
+    tried: list[str] = dataclasses.field(default_factory=list)  # the alternatives compiled, none fitting
 
     @property
     def hbm(self) -> float:
@@ -469,7 +470,11 @@ def format_report(report: Report) -> str:
         verdict = f"fits ({report.needed / report.hbm:.0%})"
     else:
         verdict = f"DOES NOT FIT with {program.mesh_flag}; " + (
-            f"use {report.refit}" if report.refit else "none of the alternatives tried fits: use a larger slice"
+            f"use {report.refit}"
+            if report.refit
+            else f"nor with {', '.join(report.tried)}"
+            if report.tried
+            else "no alternative to try: a larger slice"
         )
     if report.memory:
         m = report.memory
@@ -562,6 +567,7 @@ def compile_for(
                 if other.fits:
                     report.refit = f"{flag} ({size(other.needed)} per device)"
                     break
+                report.tried.append(flag)
         print(format_report(report), file=out, flush=True)
         reports.append(report)
     return reports
