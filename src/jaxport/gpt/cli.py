@@ -98,21 +98,32 @@ def compile_train(cfg: dict, slice_name: str) -> int:
     meta = load_meta(train.data_folder(cfg) / "meta.pkl")
     vocab = int(meta["vocab_size"]) if meta else None
 
-    def build(devices, fsdp=cfg["fsdp"]):
-        step, args, mesh = train.compile_target({**cfg, "fsdp": fsdp}, devices, vocab)
-        world = len(devices)
-        accum = train.micro_steps(cfg, world)
+    def build(devices, fsdp=cfg["fsdp"], batch=cfg["batch_size"]):
+        run = {**cfg, "fsdp": fsdp, "batch_size": batch}
+        run["gradient_accumulation_steps"] = cfg["gradient_accumulation_steps"] * cfg["batch_size"] // batch
+        step, args, mesh = train.compile_target(run, devices, vocab)
+        accum = train.micro_steps(run, len(devices))
         params = sum(x.size for x in jax.tree.leaves(args[0]))
         title = (
             f"jaxport gpt train: one iteration of a {params / 1e6:.0f}M-parameter GPT ({cfg['init_from']}), "
-            f"{accum} micro-step(s) of {cfg['batch_size']} x {cfg['block_size']} tokens per device, "
+            f"{accum} micro-step(s) of {batch} x {cfg['block_size']} tokens per device, "
             f"--dtype={cfg['dtype']}"
         )
         return [Program(title, step, args, mesh, f"--fsdp={fsdp}")]
 
-    def refits(devices):  # the other FSDP ways dividing the devices, fewest first
-        for fsdp in (f for f in range(1, len(devices) + 1) if len(devices) % f == 0 and f != cfg["fsdp"]):
+    def refits(devices):
+        """The fewest and the most FSDP ways other than the run's, then the same tokens per iteration in smaller
+        micro-batches (nanoGPT's batch_size halved, the accumulation steps doubled)."""
+        widths = [f for f in range(1, len(devices) + 1) if len(devices) % f == 0 and f != cfg["fsdp"]]
+        for fsdp in dict.fromkeys(widths[:1] + widths[-1:]):
             yield f"--fsdp={fsdp}", lambda fsdp=fsdp: build(devices, fsdp)
+        batch, accum = cfg["batch_size"] // 2, cfg["gradient_accumulation_steps"] * 2
+        while batch >= 1 and cfg["batch_size"] % batch == 0:
+            yield (
+                f"--batch_size={batch} --gradient_accumulation_steps={accum}",
+                lambda batch=batch: build(devices, cfg["fsdp"], batch),
+            )
+            batch, accum = batch // 2, accum * 2
 
     compile_for(slice_name, build, refits)
     return 0
