@@ -19,7 +19,7 @@ from jaxport.runtime import compile_for, topologies
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_DREAM = FIXTURES / "dream" / "tiny_sharded" / "model"
 UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
-BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 needs_libtpu = pytest.mark.skipif(compile_for.libtpu_version() is None, reason="libtpu is not installed")
 
 

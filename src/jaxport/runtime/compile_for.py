@@ -440,7 +440,7 @@ def analyse(tpu: Slice, program: Program) -> Report:
 
 
 def size(n: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
