@@ -92,9 +92,8 @@ class Report:
 
     @property
     def total_hbm_bytes(self) -> float:
-        """XLA's count with the HBM traffic of every loop iteration after the first added (each top-level
-        instruction reading its operands and writing its result)."""
-        return (self.hbm_bytes or 0.0) + (self.hlo.extra_bytes if self.hlo else 0.0)
+        """XLA's count scaled up by the traffic the further loop iterations add (`HloSummary`)."""
+        return (self.hbm_bytes or 0.0) * (1.0 + (self.hlo.extra_traffic_share if self.hlo else 0.0))
 
     def roofline(self) -> dict[str, float]:
         """Seconds per call for compute, HBM traffic and inter-chip traffic at the datasheet rates (each a lower
@@ -262,14 +261,15 @@ class Instruction:
 
 @dataclasses.dataclass
 class HloSummary:
-    """What a compiled module does per device, loops counted: its collectives, the trip counts of its loops, and the
-    matrix-product FLOPs and HBM bytes of every loop iteration after the first (XLA's cost analysis takes a loop's
-    body once)."""
+    """What a compiled module does per device, loops counted: its collectives, the trip counts of its loops, the
+    matrix-product FLOPs of every loop iteration after the first (XLA's cost analysis takes a loop's body once), and
+    how much more HBM traffic those iterations add, as a share of the traffic of the program taken once (each
+    top-level instruction reading its operands and writing its result: a rough model, used for the share only)."""
 
     collectives: list[Collective]
     loops: list[int | None]
     extra_flops: float
-    extra_bytes: float
+    extra_traffic_share: float
 
 
 def parse_module(text: str) -> tuple[dict[str, list[Instruction]], list[str], str | None]:
@@ -358,7 +358,7 @@ def read_hlo(text: str, devices: int) -> HloSummary:
                     if instruction.opcode in ("while", "conditional", "call"):
                         control.add(callee)
     calls, sizes, traffic = Counter(), Counter(), Counter()
-    extra_flops = extra_bytes = 0.0
+    extra_flops = extra_traffic = traffic_once = 0.0
     for name, instructions in computations.items():
         if weight[name] == 0:
             continue
@@ -367,11 +367,12 @@ def read_hlo(text: str, devices: int) -> HloSummary:
         for instruction in instructions:
             if repeats and instruction.opcode in ("dot", "convolution"):
                 extra_flops += repeats * _product_flops(instruction, shapes)
-            if repeats and name in control and instruction.opcode not in NO_TRAFFIC:
+            if name in control and instruction.opcode not in NO_TRAFFIC:
                 moved = sum(_arrays_bytes(instruction.shape)) + sum(
                     sum(_arrays_bytes(shapes.get(o, ""))) for o in instruction.operands
                 )
-                extra_bytes += repeats * moved
+                traffic_once += once[name] * moved
+                extra_traffic += repeats * moved
             found = _OP.search(" " + instruction.opcode + "(")
             if not found:
                 continue
@@ -393,7 +394,7 @@ def read_hlo(text: str, devices: int) -> HloSummary:
             sizes[kind] += weight[name] * size
             traffic[kind] += weight[name] * moved
     collectives = [Collective(kind, calls[kind], sizes[kind], traffic[kind]) for kind in COLLECTIVES if calls[kind]]
-    return HloSummary(collectives, loops, extra_flops, extra_bytes)
+    return HloSummary(collectives, loops, extra_flops, extra_traffic / traffic_once if traffic_once else 0.0)
 
 
 _OOM = (  # XLA:TPU's two ways of saying a program needs more than the HBM: (needed, size, unit) groups
