@@ -42,16 +42,17 @@ def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1, devices=None) -> Me
     return Mesh(np.asarray(devices).reshape(sizes), ("data", "fsdp", "model"))
 
 
-def parse_mesh(spec: str | None) -> Mesh | None:
-    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over every device (None without a spec)."""
+def parse_mesh(spec: str | None, devices=None) -> Mesh | None:
+    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over `devices` (default: every device; None without a spec)."""
     if not spec:
         return None
     try:
         data, fsdp, model = (int(v) for v in spec.split(","))
-        return make_mesh(data=data, fsdp=fsdp, model=model)
+        return make_mesh(data=data, fsdp=fsdp, model=model, devices=devices)
     except ValueError as err:
+        count = jax.device_count() if devices is None else len(devices)
         raise JaxportError(
-            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {jax.device_count()} devices ({err})"
+            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {count} devices ({err})"
         ) from None
 
 

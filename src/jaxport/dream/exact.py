@@ -68,7 +68,13 @@ def exact_loop(graphdef, state, x_BN, valid_BN, key, program: Program):
     return jax.lax.fori_loop(0, settings.steps, body, (x_BN, records))
 
 
-def run_exact(model, prepared: Prepared) -> GenerationOutput:
+def exact_target(model, prepared: Prepared) -> tuple:
+    """`(jitted program, arguments)` of the exact path's whole loop (also what `--compile-for` compiles)."""
     program = decoding_program(exact_loop, model, prepared.x_BN, static_argnames=("graphdef", "program"))
-    sequences, records = program(*nnx.split(model), prepared.x_BN, prepared.valid_BN, prepared.key, prepared.program)
+    return program, (*nnx.split(model), prepared.x_BN, prepared.valid_BN, prepared.key, prepared.program)
+
+
+def run_exact(model, prepared: Prepared) -> GenerationOutput:
+    program, arguments = exact_target(model, prepared)
+    sequences, records = program(*arguments)
     return GenerationOutput(sequences=sequences, **records)

@@ -193,17 +193,23 @@ def run_blocks(model, prepared: Prepared) -> Iterator[FinishedBlock]:
     return _run_blocks(model, prepared, refresh=False)
 
 
-def _run_blocks(model, prepared: Prepared, refresh: bool) -> Iterator[FinishedBlock]:
-    graphdef, state = nnx.split(model)
-    program, sharding = prepared.program, prepared.x_BN.sharding
+def block_target(model, prepared: Prepared, index: int = 0, refresh: bool = False) -> tuple:
+    """`(jitted program, arguments)` of block `index` as `run_blocks` runs it (also what `--compile-for` compiles)."""
+    program = prepared.program
     # the prefix cache's window shape depends on the block, so that path compiles per block index
     static = ("graphdef", "program", "refresh") + (("block",) if program.settings.cache == "prefix" else ())
     compiled = decoding_program(_block, model, prepared.x_BN, static_argnames=static)
+    return compiled, (*nnx.split(model), prepared.x_BN, prepared.valid_BN, prepared.key, index, program, refresh)
+
+
+def _run_blocks(model, prepared: Prepared, refresh: bool) -> Iterator[FinishedBlock]:
+    compiled, (graphdef, state, _, valid_BN, key, _, program, _) = block_target(model, prepared, refresh=refresh)
+    sharding = prepared.x_BN.sharding
 
     def run(x_BN, index):
         # each block's canvas committed to one sharding, so one compiled program serves them all
         x_BN = jax.device_put(x_BN, sharding)
-        return compiled(graphdef, state, x_BN, prepared.valid_BN, prepared.key, index, program, refresh)
+        return compiled(graphdef, state, x_BN, valid_BN, key, index, program, refresh)
 
     width = program.settings.block_length
     blocks = prepared.new_tokens // width

@@ -113,6 +113,17 @@ def abstract_model(cfg: DreamConfig, dtype, mesh: Mesh | None) -> DreamModel:
     return model
 
 
+def placed_abstract_model(cfg: DreamConfig, dtype, mesh: Mesh) -> DreamModel:
+    """The model `load_model` builds on `mesh`, its weights as shapes with the shardings they would have there:
+    nothing read or allocated (a program compiled ahead of time takes it)."""
+    dtype = resolve_dtype(dtype)
+    model = abstract_model(cfg, dtype, mesh)
+    for name, var in _variables(model):
+        shape = tuple(var.get_value().shape)
+        var.set_value(jax.ShapeDtypeStruct(shape, dtype, sharding=param_sharding(mesh, name, shape)))
+    return model
+
+
 def _variables(model: DreamModel):
     return [(checkpoint_name(path), var) for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Variable)]
 

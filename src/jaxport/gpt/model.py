@@ -27,30 +27,7 @@ from jaxport.gpt.config import GPTConfig
 from jaxport.nn import Linear, add_positions, dot_product_attention, dropout, gelu, label_entries
 from jaxport.nn.chunks import in_row_chunks
 
-# Dense bf16 peak FLOP/s per chip, matched against `jax.Device.device_kind` (first match wins).
-PEAK_FLOPS = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("TPU v6 lite", 918e12),
-    ("TPU v6e", 918e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 459e12),
-    ("TPU v4", 275e12),
-)
 A100_BF16_PEAK = 312e12  # the figure nanoGPT's estimate_mfu divides by
-
-
-def device_peak_flops(device=None) -> tuple[float | None, str]:
-    """(peak bf16 FLOP/s or None when unknown, device kind) of `device` (default: the first device)."""
-    kind = (device or jax.devices()[0]).device_kind
-    for name, peak in PEAK_FLOPS:
-        if name.lower() in kind.lower():
-            return peak, kind
-    return None, kind
 
 
 class LayerNorm(nnx.Module):
@@ -234,7 +211,7 @@ class GPT(nnx.Module):
 
     def estimate_mfu(self, fwdbwd_per_iter: int, dt: float, peak_flops: float = A100_BF16_PEAK) -> float:
         """Model FLOPs utilisation as nanoGPT computes it (PaLM appendix B), against
-        `peak_flops` (nanoGPT's A100 bf16 312 TFLOPS by default; see `device_peak_flops`)."""
+        `peak_flops` (nanoGPT's A100 bf16 312 TFLOPS by default; see `jaxport.runtime.topologies.device_peak_flops`)."""
         return estimate_mfu(self.get_num_params(), self.config, fwdbwd_per_iter, dt, peak_flops)
 
     # -- generation ------------------------------------------------------------------------

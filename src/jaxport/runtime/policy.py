@@ -104,6 +104,8 @@ def devices_of(tree):
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array) and leaf.committed:
             return leaf.sharding.device_set
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:  # a program compiled ahead of time
+            return leaf.sharding.device_set
     return None
 
 
