@@ -196,7 +196,7 @@ def schedule(args, data: Path) -> list[str]:
             f"--eval-every {args.eval_every} x batch {batch} must be a whole number of epochs of {groups} groups, "
             f"and --steps {args.steps} a multiple of it"
         )
-    return [f"epochs={per_iter * args.steps // args.eval_every}", f"eval_interval={per_iter * 2}"]
+    return [f"epochs={per_iter * args.steps // args.eval_every}", f"eval_interval={per_iter}"]
 
 
 # ----- one run
