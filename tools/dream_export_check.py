@@ -11,7 +11,8 @@ temporary folder with the original's model code (configuration_dream.py, modelin
 generation_utils.py from $REF_DREAM) beside the weights, as published checkpoints ship it, and loaded
 with `AutoModel.from_pretrained(dir, trust_remote_code=True)` in float32. Its logits for token rows
 (unpadded, and left-padded with the 4-D mask and position ids upstream's sampler derives) are compared
-with jaxport's `dream.load` logits (run with the project's Python) within the float32 logits tolerance
+with the logits jaxport computes (with the project's Python) from the folder that was exported, its weights
+rounded to the export's dtype (for `--model DIR`: from DIR itself), within the float32 logits tolerance
 of the fixtures (tests/fixtures/dream/tiny_sharded/case.json). Prints JSON; exits 1 if any model differs.
 `tests/test_dream_export_original.py` runs it in the suite.
 """
@@ -34,10 +35,15 @@ TASK_MODEL = ROOT / "tests" / "fixtures" / "dream" / "task_model"
 TOLERANCE = json.loads((ROOT / "tests" / "fixtures" / "dream" / "tiny_sharded" / "case.json").read_text())["tolerances"]
 ATOL, RTOL = TOLERANCE["logits"]["atol"], TOLERANCE["logits"]["rtol"]
 
+# jaxport's logits of the model that was exported (its weights rounded to the export's dtype, computed in float32 as
+# the original side computes), read from the source folder, so that an export that writes wrong weights is caught
 JAXPORT_SIDE = """
-import sys, numpy as np
+import sys, jax, jax.numpy as jnp, numpy as np
+from flax import nnx
 from jaxport.dream import DreamConfig, load_model
-model = load_model(sys.argv[1], DreamConfig.from_model_dir(sys.argv[1]), dtype="float32")
+source, rounded_to = sys.argv[4], jnp.dtype(sys.argv[5])
+graphdef, state = nnx.split(load_model(source, DreamConfig.from_model_dir(source), dtype="float32"))
+model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(rounded_to).astype(jnp.float32), state))
 rows = np.load(sys.argv[2])
 np.savez(sys.argv[3], plain=np.asarray(model(rows["plain"]), np.float32),
          padded=np.asarray(model(rows["padded"], rows["padded_mask"]), np.float32))
@@ -72,7 +78,9 @@ def original_logits(model_dir: Path, rows: dict) -> dict:
     return {"plain": plain, "padded": padded}
 
 
-def check(model_dir: Path, jaxport_python: str, work: Path) -> dict:
+def check(model_dir: Path, jaxport_python: str, work: Path, source: Path | None = None) -> dict:
+    """The original's logits of the exported `model_dir` against jaxport's of `source` (the folder exported; default
+    `model_dir` itself) with its weights rounded to the export's dtype."""
     runnable = work / model_dir.name
     shutil.copytree(model_dir, runnable)
     for name in CODE_FILES:
@@ -81,7 +89,8 @@ def check(model_dir: Path, jaxport_python: str, work: Path) -> dict:
     rows = token_rows(config)
     np.savez(work / "rows.npz", **rows)
     done = subprocess.run(
-        [jaxport_python, "-c", JAXPORT_SIDE, str(model_dir), str(work / "rows.npz"), str(work / "jaxport.npz")],
+        [jaxport_python, "-c", JAXPORT_SIDE, str(model_dir), str(work / "rows.npz"), str(work / "jaxport.npz")]
+        + [str(source or model_dir), config["torch_dtype"]],
         capture_output=True,
         text=True,
     )
@@ -129,17 +138,20 @@ def main():
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        models = [Path(m) for m in args.model] if args.model else None
+        models = [(Path(m), None) for m in args.model] if args.model else None
         if models is None:
             models = [
-                export(args.jaxport_python, TASK_MODEL, work / "task_model_float32", "float32", "5GB"),
-                export(args.jaxport_python, TASK_MODEL, work / "task_model_bfloat16_sharded", "bfloat16", "200KB"),
+                (export(args.jaxport_python, TASK_MODEL, work / "task_model_float32", "float32", "5GB"), TASK_MODEL),
+                (
+                    export(args.jaxport_python, TASK_MODEL, work / "task_model_bfloat16_sharded", "bfloat16", "200KB"),
+                    TASK_MODEL,
+                ),
             ]
         reports = []
-        for i, model_dir in enumerate(models):
+        for i, (model_dir, source) in enumerate(models):
             case = work / f"case{i}"
             case.mkdir()
-            reports.append(check(model_dir, args.jaxport_python, case))
+            reports.append(check(model_dir, args.jaxport_python, case, source))
     versions = {
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
