@@ -195,17 +195,23 @@ def test_a_program_too_large_names_the_mesh_that_fits(tmp_path):
     assert re.search(r"DOES NOT FIT with --fsdp=1; use --fsdp=(2|4|8) \([\d.]+ GiB per device\)", report["text"])
 
 
-@needs_libtpu
-def test_trm_train_compiles_from_the_dataset_metadata_alone(tmp_path):
+def trm_dataset(tmp_path: Path, seq_len: int, vocab: int) -> Path:
+    """A TRM dataset folder holding only its training split's dataset.json."""
     data = tmp_path / "data" / "train"
     data.mkdir(parents=True)
-    seq_len, vocab = 64, 11
     meta = dict(pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=vocab, seq_len=seq_len)
     meta.update(num_puzzle_identifiers=1, total_groups=10, mean_puzzle_examples=1.0, total_puzzles=10, sets=["all"])
     (data / "dataset.json").write_text(json.dumps(meta))
+    return data.parent
+
+
+@needs_libtpu
+def test_trm_train_compiles_from_the_dataset_metadata_alone(tmp_path):
+    seq_len, vocab = 64, 11
+    data = trm_dataset(tmp_path, seq_len, vocab)
     D, heads, L_layers, H, L, batch = 128, 4, 2, 2, 2, 32
     proc = jaxport(
-        "trm", "train", "arch=trm", f"data_paths=[{tmp_path / 'data'}]", "evaluators=[]", f"global_batch_size={batch}",
+        "trm", "train", "arch=trm", f"data_paths=[{data}]", "evaluators=[]", f"global_batch_size={batch}",
         f"arch.hidden_size={D}", f"arch.num_heads={heads}", f"arch.L_layers={L_layers}", f"arch.H_cycles={H}",
         f"arch.L_cycles={L}", "arch.puzzle_emb_ndim=0", "arch.puzzle_emb_len=0", "arch.halt_max_steps=2",
         f"checkpoint_path={tmp_path / 'run'}", "--compile-for", "v4-8", cwd=tmp_path,
@@ -218,6 +224,34 @@ def test_trm_train_compiles_from_the_dataset_metadata_alone(tmp_path):
     report = check(proc, (per_block * applications + 3 * 2 * D * vocab) * (batch // 4) * seq_len)
     assert "global_batch_size 32, 8 per device" in report["text"]
     assert not (tmp_path / "run").exists(), "no run folder"
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mixer", ["mlp_t", "attention"])
+def test_trm_step_keeps_each_devices_rows_on_a_slice(tmp_path, mixer):
+    """Data parallel on a v4-8: the step's only all-gather is the sign-SGD update's, of the batch's puzzle-embedding
+    row gradients `[B, E]` (upstream gathers them too); activations, whose gathers grow with every block's `S*B*D`,
+    stay split, and no collective reshards them."""
+    from jaxport.distributed import make_mesh
+    from jaxport.trm.run_config import load_run_config
+    from jaxport.trm.train import compile_target
+
+    data = trm_dataset(tmp_path, seq_len=16, vocab=11)
+    D, batch = 64, 32
+    mixer_args = ["arch.mlp_t=True", "arch.pos_encodings=none"] if mixer == "mlp_t" else []
+    config = load_run_config(
+        ["arch=trm", f"data_paths=[{data}]", "evaluators=[]", f"global_batch_size={batch}", f"arch.hidden_size={D}",
+         "arch.num_heads=2", "arch.L_layers=1", "arch.H_cycles=2", "arch.L_cycles=2", "arch.halt_max_steps=2",
+         *mixer_args]
+    )  # fmt: skip
+    tpu = topologies.parse_slice("v4-8")
+    mesh = make_mesh(data=-1, devices=compile_for.topology_devices(tpu))
+    step, args = compile_target(config, mesh)
+    report = compile_for.analyse(tpu, compile_for.Program("TRM step", step, args, mesh, ""))
+    kinds = {c.kind: c for c in report.collectives}
+    assert set(kinds) <= {"all-reduce", "all-gather"}, report.collectives
+    puzzle_row_grads = batch * D * 4  # float32, puzzle_emb_ndim = hidden_size
+    assert sum(c.bytes for c in report.collectives if c.kind == "all-gather") <= puzzle_row_grads, report.collectives
 
 
 def dream_folder(tmp_path: Path, **sizes) -> Path:

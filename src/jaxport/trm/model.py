@@ -51,6 +51,16 @@ class Carry:
     current_data: dict  # BATCH_KEYS -> the rows each carry slot is working on
 
 
+def sequence_major() -> bool:
+    """Whether a recursion with mlp_t runs sequence-major, `[S, B, D]`: on one device, where the token mixing's
+    products then take the sequence axis as it lies and the channel products see rows `[S*B, D]`, where `[B, S, D]`
+    needs two transposes per block each way (docs/performance.md, "Sequence-major mlp_t"). Across devices the batch
+    stays leading: rows `[S*B, D]` interleave the devices' rows, which XLA splits only by gathering the whole batch
+    onto every device; each block then turns to `[S, B, D]` for its token mixing alone, whose `[S, B*D]` operand keeps
+    each device's rows together."""
+    return runtime.current().devices == 1
+
+
 class Block(nnx.Module):
     """Post-norm block: attention (or an MLP across the sequence, `mlp_t`) then a SwiGLU."""
 
@@ -64,9 +74,11 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(config.hidden_size, swiglu_intermediate_size(config.hidden_size, config.expansion), rngs=rngs)
 
     def __call__(self, h, cos_sin):
-        """`h`: [B, S, D], or with mlp_t [S, B, D] (the recursion's layout, see `TRMInner.__call__`)."""
+        """`h`: [B, S, D], or with mlp_t on one device [S, B, D] (the recursion's layout, see `sequence_major`)."""
         if hasattr(self, "mlp_t"):
-            h = rms_norm(h + self.mlp_t(h, axis=0), self.eps, axis=0)  # [S, B, D]: mixed and normalised over S
+            to_SBD = (lambda a: a) if sequence_major() else (lambda a: a.swapaxes(0, 1))  # its own inverse
+            h_SBD = to_SBD(h)
+            h = to_SBD(rms_norm(h_SBD + self.mlp_t(h_SBD, axis=0), self.eps, axis=0))  # mixed and normalised over S
         else:
             h = rms_norm(h + self.self_attn(h, cos_sin), self.eps)
         return rms_norm(h + self.mlp(h), self.eps)
@@ -185,10 +197,8 @@ class TRMInner(nnx.Module):
         x_BSD = self.input_embeddings(data["inputs"], puzzle_rows_BE)
         cos_sin = self.cos_sin(x_BSD.shape[1])
 
-        # With mlp_t the recursion runs sequence-major, [S, B, D]: the token mixing's products then take the
-        # sequence axis as it lies and the channel products see rows [S*B, D], where [B, S, D] needs two transposes
-        # per block each way (docs/performance.md, "Sequence-major mlp_t").
-        layout = (lambda a: a.swapaxes(0, 1)) if self.config.mlp_t else (lambda a: a)  # its own inverse
+        swap = self.config.mlp_t and sequence_major()
+        layout = (lambda a: a.swapaxes(0, 1)) if swap else (lambda a: a)  # its own inverse
 
         def reason(z_H, z_L, x):
             z_H, z_L = self.reason(layout(z_H), layout(z_L), layout(x), cos_sin, unroll)
