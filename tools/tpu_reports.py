@@ -113,14 +113,14 @@ def main() -> int:
     parser.add_argument("--only", default="trm,gpt,dream")
     parser.add_argument("--out", default="tpu_reports.md")
     parser.add_argument("--doc", default=None, help="a Markdown file whose generated sections to fill (docs/tpu.md)")
-    parser.add_argument("--titles", default=None, help="only the reports whose titles hold one of these (a,b,...)")
+    parser.add_argument("--titles", default=None, help="only the reports whose titles hold one of these (a;b;...)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     lines = []
     with tempfile.TemporaryDirectory(prefix="jaxport_tpu_reports_") as tmp:
         inputs(Path(tmp))
         for title, argv in commands(set(args.only.split(","))):
-            if args.titles and not any(t in title for t in args.titles.split(",")):
+            if args.titles and not any(t in title for t in args.titles.split(";")):
                 continue
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "jaxport.cli", *argv], capture_output=True, text=True, cwd=tmp)
