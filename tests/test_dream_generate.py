@@ -203,7 +203,7 @@ def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
     inputs, _ = data
     p = prepare_generation(model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8)
     program = decoding_program(exact_loop, model, p.x_BN, static_argnames=("graphdef", "program"))
-    hlo = program.lower(*nnx.split(model), p.x_BN, p.valid_BN, p.key, p.program).compile().as_text()
+    hlo = program.lower(*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.program).compile().as_text()
     fused = [line for line in hlo.splitlines() if '"kind":"__ynn_fusion"' in line]
     assert fused, "no YNNPACK fusion in the decoding program"
     assert all("/dot_general" in line for line in fused), [line[:200] for line in fused if "/dot_general" not in line]

@@ -60,22 +60,32 @@ def start_server(log_path: Path, *options: str):
     raise AssertionError(f"the server did not start:\n{log_path.read_text()}")
 
 
+SMALL = ("--max-batch", "2", "--max-queue", "8", "--max-context", "128", "--prompt-buckets", "64")
+FAST = {"block_length": 4}  # 4 blocks of 4 tokens, 4 steps each
+FASTDLLM = {"block_length": 4, "cache": "dual", "schedule": "fastdllm", "alg": "entropy"}  # Fast-dLLM's own
+
+
+def _programs(*settings: dict) -> list[str]:
+    return [a for s in settings for a in ("--program", ",".join(f"{k}={v}" for k, v in s.items()))]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    # one prompt bucket and one canvas size: two programs (batch 1 and 2) compile at start-up
+    # one prompt bucket and one canvas size: the default program, FAST and FASTDLLM at batch 1 and 2 compile at
+    # start-up, and no other
+    process, url = start_server(log_path, *SMALL, "--max-tokens-buckets", "16", *_programs(FAST, FASTDLLM))
+    yield url, log_path
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def on_demand_server(tmp_path_factory):
+    """Compiles on first use (no start-up set compiled ahead) and at most one program beyond the start-up set."""
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
     process, url = start_server(
-        log_path,
-        "--max-batch",
-        "2",
-        "--max-queue",
-        "8",
-        "--max-context",
-        "128",
-        "--prompt-buckets",
-        "64",
-        "--max-tokens-buckets",
-        "16",
+        log_path, *SMALL, "--max-tokens-buckets", "16", "--no-warmup", "--compile-on-demand", "1"
     )
     yield url, log_path
     process.kill()
@@ -108,10 +118,12 @@ def test_models_health_and_start_up_compilation(server):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     log = log_path.read_text()
     for batch in (1, 2):
-        assert (
-            f"compiling generation at start-up: batch {batch}, prompt 64 + 16 new tokens, alg entropy, steps 16, "
-            "temperature 0.0"
-        ) in log
+        for settings in (
+            "steps 16",
+            "block_length 4, steps 16",
+            "block_length 4, cache dual, schedule fastdllm, steps 16",
+        ):
+            assert f"at start-up: batch {batch}, prompt 64 + 16 new tokens, alg entropy, {settings}\n" in log
 
 
 def test_concurrent_clients_are_batched_and_greedy_text_does_not_depend_on_batching(server):
@@ -187,16 +199,14 @@ def test_chat_and_streaming(server):
 
 def test_block_wise_decoding_streams_each_block(server):
     url, log_path = server
-    fast = {"block_length": 4}  # 4 blocks of 4 tokens, 4 steps each
-    whole = complete(url, PROMPTS[1], extra_body=fast).choices[0]
-    chunks = [c.choices[0] for c in complete(url, PROMPTS[1], stream=True, extra_body=fast)]
+    whole = complete(url, PROMPTS[1], extra_body=FAST).choices[0]
+    chunks = [c.choices[0] for c in complete(url, PROMPTS[1], stream=True, extra_body=FAST)]
     texts = [c.text for c in chunks if c.text]
     assert "".join(texts) == whole.text and chunks[-1].finish_reason == whole.finish_reason
     assert len(texts) > 1  # sent block by block, not all at the end
     assert "block_length 4" in log_path.read_text()
-    fastdllm = {"block_length": 4, "cache": "dual", "schedule": "fastdllm", "alg": "entropy"}  # Fast-dLLM's own
-    whole = complete(url, PROMPTS[1], extra_body=fastdllm).choices[0]
-    streamed = [c.choices[0].text for c in complete(url, PROMPTS[1], stream=True, extra_body=fastdllm)]
+    whole = complete(url, PROMPTS[1], extra_body=FASTDLLM).choices[0]
+    streamed = [c.choices[0].text for c in complete(url, PROMPTS[1], stream=True, extra_body=FASTDLLM)]
     assert "".join(streamed) == whole.text and "schedule fastdllm" in log_path.read_text()
 
 
@@ -220,6 +230,13 @@ def test_block_wise_decoding_streams_each_block(server):
         ({"extra_body": {"stop": ["a", 3]}}, 400, "stop", "valid string"),
         ({"extra_body": {"max_tokns": 3}}, 400, "max_tokns", "unknown field"),
         ({"echo": True}, 400, "echo", "not supported"),
+        # program-shaping values outside the start-up set, with the allowed ones
+        ({"extra_body": {"steps": 8}}, 400, "steps", "steps=8 is not among the programs this server compiled"),
+        ({"extra_body": {"alg": "origin"}}, 400, "alg", "(allowed alg: entropy;"),
+        ({"extra_body": {"block_length": 8}}, 400, "block_length", "(allowed block_length: 4, None;"),
+        ({"extra_body": {"threshold": 0.9}}, 400, "threshold", "block_length=16 is not among the programs"),
+        ({"extra_body": {"block_length": 4, "cache": "prefix"}}, 400, "cache", "(allowed cache: None, dual;"),
+        ({"prompt": "<|mask|> is"}, 400, "prompt", "holds the mask token"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, options, status, param, message):
@@ -241,13 +258,31 @@ def test_malformed_json_and_unknown_route(server):
     assert httpx.get(f"{url}/v1/nothing").json()["error"]["type"] == "not_found_error"
 
 
-def test_seed_full_queue_and_disconnect(server):
-    url, log_path = server
-    # Sampling with a seed runs alone under the seed's key: the same seed gives the same text.
-    # Its new temperature compiles on first use, which also keeps the worker busy meanwhile.
+def test_sampling_settings_do_not_compile(server):
+    url, _ = server
+    before = metrics(url)
+    texts = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for (t, p, seed), answer in zip(
+            settings := [(t, p, seed) for t in (0.3, 0.9) for p in (0.5, 1.0) for seed in (1, 2)],
+            pool.map(lambda s: complete(url, PROMPTS[0], temperature=s[0], top_p=s[1], seed=s[2]), settings),
+        ):
+            texts[(t, p, seed)] = answer.choices[0].text
+    assert metrics(url)["compilations"] == before["compilations"] > 0
+    assert len(set(texts.values())) > 1  # the settings and seeds are used
+    # a seeded request gets the same text whatever it was batched with
+    assert complete(url, PROMPTS[0], temperature=0.9, top_p=0.5, seed=2).choices[0].text == texts[(0.9, 0.5, 2)]
+
+
+def test_seed_full_queue_disconnect_and_compile_on_demand(on_demand_server):
+    url, log_path = on_demand_server
+    # steps=8 is outside the start-up set: --compile-on-demand 1 compiles it on first use, which also keeps the
+    # worker busy meanwhile. Sampling with a seed: the same seed gives the same text.
     sampled = {}
     thread = threading.Thread(
-        target=lambda: sampled.update(first=complete(url, PROMPTS[0], temperature=1.0, seed=7).choices[0].text)
+        target=lambda: sampled.update(
+            first=complete(url, PROMPTS[0], temperature=1.0, seed=7, extra_body={"steps": 8}).choices[0].text
+        )
     )
     thread.start()
     wait_for(lambda: metrics(url)["running_rows"] == 1)
@@ -268,14 +303,23 @@ def test_seed_full_queue_and_disconnect(server):
     assert [len(r.choices) for r in results if r not in rejected] == [2, 2, 2, 2]
     thread.join()
 
-    assert complete(url, PROMPTS[0], temperature=1.0, seed=7).choices[0].text == sampled["first"]
-    assert complete(url, PROMPTS[0], temperature=1.0, seed=8).choices[0].text != sampled["first"]
-    log = log_path.read_text()
+    before = metrics(url)
     assert (
-        "compiling generation on first use: batch 1, prompt 64 + 16 new tokens, alg entropy, steps 16, temperature 1.0"
-        in log
+        complete(url, PROMPTS[0], temperature=1.0, seed=7, extra_body={"steps": 8}).choices[0].text == sampled["first"]
     )
+    assert (
+        complete(url, PROMPTS[0], temperature=1.0, seed=8, extra_body={"steps": 8}).choices[0].text != sampled["first"]
+    )
+    assert metrics(url)["compilations"] == before["compilations"]  # kept
+    log = log_path.read_text()
+    assert "compiling generation on first use: batch 1, prompt 64 + 16 new tokens, alg entropy, steps 8\n" in log
     assert "client disconnected" in log
+    # a second program beyond the start-up set evicts the first (least recently used): it compiles again
+    complete(url, PROMPTS[0], extra_body={"steps": 4})
+    complete(url, PROMPTS[0], extra_body={"steps": 8})
+    after = metrics(url)
+    assert after["compilations_on_demand"] - before["compilations_on_demand"] == 2, after
+    assert after["compiled_programs"] == before["compiled_programs"]
 
 
 def _try(call):

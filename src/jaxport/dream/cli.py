@@ -188,6 +188,14 @@ def _sizes(text: str, flag: str) -> tuple[int, ...]:
         raise JaxportError(f"{flag} {text!r}: expected comma-separated integers, e.g. 64,256") from None
 
 
+def _program(text: str) -> tuple:
+    """`--program NAME=VALUE,...` as (name, value) pairs (values checked by the settings model)."""
+    pairs = [part.split("=", 1) for part in text.split(",") if part]
+    if not pairs or any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise JaxportError(f"--program {text!r}: expected NAME=VALUE pairs separated by commas, e.g. block_length=32")
+    return tuple((name.strip(), value.strip()) for name, value in pairs)
+
+
 def serve(args) -> int:
     from jaxport import dream
     from jaxport.dream.serve import ServeSettings
@@ -204,6 +212,8 @@ def serve(args) -> int:
         default_max_tokens=args.default_max_tokens,
         alg=args.alg,
         fast=tuple((name, value) for name, value in _fast_args(args).items() if value is not None),
+        programs=tuple(_program(text) for text in args.program),
+        compile_on_demand=args.compile_on_demand,
     )
     mesh = _mesh(args.mesh)
     start = time.perf_counter()
@@ -386,6 +396,23 @@ def main(argv: list[str] | None = None) -> int:
         "--no-warmup",
         action="store_true",
         help="compile on first use only (default: the default settings' shapes at start-up)",
+    )
+    srv.add_argument(
+        "--program",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE,...",
+        help="one more combination of program settings (steps, alg, eps, block_length, cache, schedule; threshold "
+        "for block-wise decoding) compiled at start-up over the defaults, e.g. block_length=32,cache=dual; repeat "
+        "for more. Requests may choose any of these; other values get HTTP 400",
+    )
+    srv.add_argument(
+        "--compile-on-demand",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compile programs outside the start-up set for the requests that ask for them, keeping at most N "
+        "(least recently used evicted; default 0: such requests get HTTP 400)",
     )
     _add_fast(srv)  # defaults for requests that do not set them
     srv.set_defaults(run=serve)

@@ -39,8 +39,10 @@ from jaxport.dream.settings import (
     Algorithm,
     Cache,
     Count,
+    GenerationSettings,
     NonNegative,
     Probability,
+    ProgramSettings,
     Schedule,
 )
 from jaxport.errors import JaxportError
@@ -76,6 +78,9 @@ class ServeSettings:
     default_max_tokens: int | None = None  # None: the smallest max_tokens bucket
     alg: str = "entropy"
     fast: tuple = ()  # fast-decoding (name, value) pairs (`settings.BLOCKWISE`), for requests that do not set them
+    # more program-shaping combinations compiled at start-up, each a tuple of (name, value) pairs over the defaults
+    programs: tuple = ()
+    compile_on_demand: int = 0  # programs outside the start-up set compiled for requests, least recently used evicted
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_context", "default_max_tokens"):
@@ -96,15 +101,63 @@ class ServeSettings:
             )
         if self.alg not in ALGORITHMS:
             raise JaxportError(f"--alg {self.alg!r}: choose one of {', '.join(ALGORITHMS)}")
+        if self.compile_on_demand < 0:
+            raise JaxportError(f"--compile-on-demand must be at least 0, got {self.compile_on_demand}")
+        for new_tokens in self.max_tokens_buckets:
+            self.allowed(new_tokens)  # a bad --program is an error at start-up
+
+    def defaults(self, new_tokens: int) -> dict:
+        """The program settings of a request that sets none (steps: one per new token)."""
+        return {"steps": new_tokens, "alg": self.alg, **dict(self.fast)}
+
+    def allowed(self, new_tokens: int) -> list[ProgramSettings]:
+        """The program settings compiled at start-up for canvases of `new_tokens` new tokens: the defaults, then
+        each `--program` over them."""
+        allowed = []
+        for extra in ((), *self.programs):
+            try:
+                settings = GenerationSettings.of(**{**self.defaults(new_tokens), **dict(extra)}).check(new_tokens)
+            except JaxportError as err:
+                spec = ",".join(f"{k}={v}" for k, v in extra)
+                raise JaxportError(f"--program {spec} (with {new_tokens} new tokens): {err}") from None
+            if settings.program not in allowed:
+                allowed.append(settings.program)
+        return allowed
 
     def warmup_keys(self) -> list[BatchKey]:
-        """The default settings (greedy, `alg`, steps = canvas) at every prompt and max_tokens bucket."""
+        """The start-up set: every allowed program at every prompt and max_tokens bucket."""
         return [
-            BatchKey.of(prompt_len, new_tokens, steps=new_tokens, alg=self.alg, temperature=0.0, **dict(self.fast))
+            BatchKey(prompt_len, new_tokens, settings)
             for new_tokens in self.max_tokens_buckets
+            for settings in self.allowed(new_tokens)
             for prompt_len in self.prompt_buckets
             if prompt_len + new_tokens <= self.max_context
         ]
+
+    def outside(self, key: BatchKey, given: set[str]) -> "APIError | None":
+        """The 400 for a request whose program is not in the start-up set (None when it is, or when
+        `--compile-on-demand` lets the server compile it): names the first setting whose value no allowed program
+        has, with the allowed values."""
+        allowed = self.allowed(key.new_tokens)
+        if key.settings in allowed or self.compile_on_demand:
+            return None
+        fields = ("alg", "steps", "block_length", "cache", "schedule", "eps")
+        name = next(
+            (n for n in fields if getattr(key.settings, n) not in {getattr(a, n) for a in allowed}),
+            next(n for n in fields if n in given) if given & set(fields) else "steps",
+        )
+        param = "threshold" if name == "block_length" and "block_length" not in given and "threshold" in given else name
+        combos = "; ".join(
+            ", ".join(f"{n}={getattr(a, n)}" for n in fields if getattr(a, n) is not None) for a in allowed
+        )
+        return _invalid(
+            param,
+            f"{name}={getattr(key.settings, name)} is not among the programs this server compiled at start-up "
+            f"for {key.new_tokens} new tokens (allowed {name}: "
+            f"{', '.join(sorted({str(getattr(a, name)) for a in allowed}))}; programs: {combos}); "
+            f"start it with --program or --compile-on-demand",
+            "setting_not_served",
+        )
 
 
 # -- request bodies -------------------------------------------------------------------------------
@@ -281,7 +334,13 @@ class DreamServer:
 
     def __init__(self, model, tokenizer, settings: ServeSettings):
         self.tokenizer, self.settings = tokenizer, settings
-        self.scheduler = Scheduler(model, tokenizer, max_batch=settings.max_batch, max_queue=settings.max_queue)
+        self.scheduler = Scheduler(
+            model,
+            tokenizer,
+            max_batch=settings.max_batch,
+            max_queue=settings.max_queue,
+            on_demand=settings.compile_on_demand,
+        )
         self.created = int(time.time())
 
     def model_card(self) -> dict:
@@ -330,9 +389,7 @@ class DreamServer:
                 "context_length_exceeded",
             )
         try:
-            key = BatchKey.of(
-                min(bucket(longest, list(s.prompt_buckets)) or room, room),
-                new_tokens,
+            checked = GenerationSettings.of(
                 steps=steps,
                 alg=body.alg or s.alg,
                 temperature=float(body.temperature or 0.0),
@@ -340,13 +397,23 @@ class DreamServer:
                 top_k=body.top_k,
                 alg_temp=body.alg_temp,
                 **self._fast(body),
-            )
+            ).check(new_tokens)
         except JaxportError as err:
             raise _generation_error(err) from None
+        key = BatchKey(min(bucket(longest, list(s.prompt_buckets)) or room, room), new_tokens, checked.program)
+        given = {name for name in ("steps", "alg", *BLOCKWISE) if getattr(body, name) is not None}
+        if (error := s.outside(key, given)) is not None:
+            raise error
         job_id = f"{fmt.id_prefix}-{secrets.token_hex(12)}"
-        has_mask = any(self.tokenizer.mask_token_id in ids for ids in encoded)
-        seeded = key.samples and body.seed is not None
-        key = dataclasses.replace(key, seed=body.seed if seeded else None, alone=job_id if seeded or has_mask else None)
+        if any(self.tokenizer.mask_token_id in ids for ids in encoded):
+            if not s.compile_on_demand:
+                raise _invalid(
+                    prompt_field,
+                    "holds the mask token, which makes a program of its own; start the server with "
+                    "--compile-on-demand to serve such prompts",
+                    "setting_not_served",
+                )
+            key = dataclasses.replace(key, alone=job_id)
         stop = [body.stop] if isinstance(body.stop, str) else [text for text in body.stop or [] if text]
         rows = [p for p in prompts for _ in range(body.n)]
         return Job(
@@ -355,6 +422,8 @@ class DreamServer:
             rows,
             [RowText(self.tokenizer, max_tokens, stop) for _ in rows],
             post,
+            row=checked.row,
+            seed=body.seed,
             prompt_tokens=sum(map(len, encoded)),
         )
 
