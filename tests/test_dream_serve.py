@@ -12,8 +12,13 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxport import dream
 
 MODEL = Path(__file__).parent / "fixtures" / "dream" / "tiny_bf16" / "model"
 NAME = "tiny-dream"
@@ -97,7 +102,18 @@ def client(url: str, **options) -> openai.OpenAI:
 
 
 def metrics(url: str) -> dict:
-    return httpx.get(f"{url}/metrics").json()
+    return httpx.get(f"{url}/metrics.json").json()
+
+
+def prometheus(url: str) -> dict:
+    """`/metrics` parsed by prometheus_client's own parser: {(name, labels as a sorted tuple): value}."""
+    response = httpx.get(f"{url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
 
 
 def wait_for(condition, seconds: float = 30):
@@ -272,6 +288,76 @@ def test_sampling_settings_do_not_compile(server):
     assert len(set(texts.values())) > 1  # the settings and seeds are used
     # a seeded request gets the same text whatever it was batched with
     assert complete(url, PROMPTS[0], temperature=0.9, top_p=0.5, seed=2).choices[0].text == texts[(0.9, 0.5, 2)]
+
+
+def test_prometheus_metrics(server):
+    url, _ = server
+    before = prometheus(url)
+    complete(url, PROMPTS[0])
+    with pytest.raises(openai.BadRequestError):
+        complete(url, PROMPTS[0], top_p=2)
+    after = prometheus(url)
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("jaxport_dream_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert grew("jaxport_dream_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert grew("jaxport_dream_time_to_first_block_seconds_count") == 1
+    assert grew("jaxport_dream_request_seconds_count") == 1
+    assert grew("jaxport_dream_decoding_steps_sum") == 16  # steps = the 16 new tokens, one program call
+    assert grew("jaxport_dream_generated_tokens_total") > 0
+    # start-up compiled 3 programs at 2 batch sizes; nothing since
+    assert after[("jaxport_dream_compilations_total", (("set", "start-up"),))] == 6
+    assert after[("jaxport_dream_compilations_total", (("set", "on demand"),))] == 0
+    assert after[("jaxport_dream_compile_seconds_total", (("set", "start-up"),))] > 0
+    assert after[("jaxport_dream_compiled_programs", ())] == 6
+    for gauge in ("queue_rows", "running_rows", "batch_occupancy"):
+        assert after[(f"jaxport_dream_{gauge}", ())] == 0  # idle
+
+
+def _library_text(model, tokenizer, prompt: str, max_tokens: int, new_tokens: int, seed, **settings) -> str:
+    """What `diffusion_generate` gives for one request alone (no padding), cut as the server cuts it."""
+    ids = np.array([tokenizer.encode(prompt)])
+    rng = None if seed is None else jax.random.key(seed)
+    sequences = dream.diffusion_generate(
+        model, ids, np.ones_like(ids), max_new_tokens=new_tokens, rng=rng, return_dict_in_generate=False, **settings
+    )
+    span = np.asarray(sequences)[:, ids.shape[1] : ids.shape[1] + max_tokens]
+    return tokenizer.decode_generation(span, 0)[0]
+
+
+def test_replies_equal_the_library_alone(server):
+    """Concurrent requests with different prompts, max_tokens, temperatures (greedy and seeded) and fast settings:
+    every reply is what `diffusion_generate` gives for the same request alone."""
+    url, _ = server
+    requests = []
+    for i, (prompt, extra) in enumerate(
+        [
+            (p, e)
+            for p in PROMPTS
+            for e in ({}, FAST, {**FAST, "threshold": 0.5}, FASTDLLM, {**FASTDLLM, "threshold": 0.6})
+        ]
+    ):
+        temperature, seed = [(0.0, None), (0.8, 11 + i), (1.2, 5)][i % 3]
+        top_p = (None, 0.9)[i % 2] if temperature else None
+        requests.append((prompt, (16, 9)[i % 2], dict(temperature=temperature, top_p=top_p, seed=seed), extra))
+
+    def send(request):
+        prompt, max_tokens, options, extra = request
+        return complete(url, prompt, max_tokens=max_tokens, extra_body=extra, **options).choices[0].text
+
+    before = metrics(url)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(send, requests))
+    after = metrics(url)
+    assert after["compilations"] == before["compilations"] and max(map(int, after["batch_requests"])) > 1
+    model, tokenizer = dream.load(MODEL, dtype="float32")
+    for (prompt, max_tokens, options, extra), reply in zip(requests, replies, strict=True):
+        settings = {"steps": 16, "alg": "entropy", **extra, **{k: v for k, v in options.items() if k != "seed"}}
+        expected = _library_text(model, tokenizer, prompt, max_tokens, 16, options["seed"], **settings)
+        assert reply == expected, (prompt, max_tokens, options, extra)
 
 
 def test_seed_full_queue_disconnect_and_compile_on_demand(on_demand_server):

@@ -79,7 +79,7 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Pro
 
 def run_exact(model, prepared: Prepared, programs=None) -> GenerationOutput:
     """The exact decoding of `prepared`, compiled and run by `programs` (default `JitPrograms`)."""
-    programs = programs or JitPrograms(model)
+    programs = JitPrograms(model) if programs is None else programs
     p = prepared
     sequences, records = programs(exact_loop, {"program": p.program}, p.x_BN, p.valid_BN, p.keys_B, p.rows)
     return GenerationOutput(sequences=sequences, **records)

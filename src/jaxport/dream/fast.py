@@ -226,7 +226,7 @@ def run_blocks(model, prepared: Prepared, programs=None) -> Iterator[FinishedBlo
 
 
 def _run_blocks(model, prepared: Prepared, refresh: bool, programs=None) -> Iterator[FinishedBlock]:
-    programs = programs or JitPrograms(model)
+    programs = JitPrograms(model) if programs is None else programs
     program, sharding = prepared.program, prepared.x_BN.sharding
 
     def run(x_BN, index):

@@ -272,6 +272,7 @@ class Scheduler:
         self.batch_requests, self.batch_rows = Counter(), Counter()
         self.compile_seconds = Counter()
         self.finished: Callable[[Job], None] = lambda job: None  # told of every job that ends, from the worker
+        self.compiled_hooks: list[Callable[[float, str], None]] = []  # told of every compilation (seconds, set)
 
     def _compiling(self):
         log(f"compiling generation {self._describe}")
@@ -282,6 +283,8 @@ class Scheduler:
         self.stats["compilations"] += 1
         self.stats[f"compilations {when}"] += 1
         self.compile_seconds[when] += seconds
+        for hook in self.compiled_hooks:
+            hook(seconds, when)
 
     # -- called from the server's event loop --------------------------------------------------
     def submit(self, job: Job):

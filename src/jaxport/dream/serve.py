@@ -1,8 +1,9 @@
 """`jaxport dream serve`: an OpenAI-compatible HTTP server for Dream / DiffuCoder models (FastAPI + uvicorn).
 
 `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template
-applied), `GET /health` and `GET /metrics` (requests, batch sizes run, queue). Requests take the OpenAI
-fields `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 0: greedy), `top_p`,
+applied), `GET /health`, `GET /metrics` (Prometheus text format: `jaxport.dream.serve_metrics`) and
+`GET /metrics.json` (the scheduler's counts: requests, batch sizes run, queue, compiled programs). Requests
+take the OpenAI fields `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 0: greedy), `top_p`,
 `stop`, `n`, `seed`, `stream` (server-sent events) and `stream_options.include_usage`, and Dream's own
 `steps` (default: the canvas length), `alg`, `alg_temp`, `top_k`, `block_length`, `cache`, `threshold` and
 `schedule` as extra body fields, validated as `jaxport.dream.settings.GenerationSettings` validates them for
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from jaxport.dream.scheduler import BatchKey, Job, QueueFull, RowText, Scheduler, bucket, log
+from jaxport.dream.serve_metrics import CONTENT_TYPE, ServerMetrics
 from jaxport.dream.settings import (
     ALGORITHMS,
     BLOCKWISE,
@@ -329,6 +331,9 @@ CHAT = Format(
 
 
 # -- the app --------------------------------------------------------------------------------------
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/metrics.json")
+
+
 class DreamServer:
     """Validates requests, turns them into scheduler `Job`s and shapes the answers."""
 
@@ -341,6 +346,7 @@ class DreamServer:
             max_queue=settings.max_queue,
             on_demand=settings.compile_on_demand,
         )
+        self.metrics = ServerMetrics(self.scheduler)
         self.created = int(time.time())
 
     def model_card(self) -> dict:
@@ -538,6 +544,7 @@ class DreamServer:
 
     def _log(self, job: Job, status: int):
         now = time.perf_counter()
+        self.metrics.ended(job)
         queued = (job.started or now) - job.submitted
         log(
             f"{job.id} {status}: {job.prompt_tokens} prompt + {sum(t.tokens for t in job.texts)} completion tokens "
@@ -546,9 +553,30 @@ class DreamServer:
         )
 
 
+class CountResponses:
+    """Counts every response by endpoint and status (an ASGI middleware: Starlette's `BaseHTTPMiddleware` would hide
+    a client's disconnect from the endpoint)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.answered(endpoint, message["status"])
+            await send(message)
+
+        return await self.app(scope, receive, counted)
+
+
 def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     """The FastAPI app; its scheduler (`app.state.server.scheduler`) runs while the app's lifespan does."""
     server = DreamServer(model, tokenizer, settings)
+    server.scheduler.start_up |= {key.program for key in settings.warmup_keys()}  # compiled now or on first use
 
     async def lifespan(app):
         server.scheduler.start()
@@ -582,8 +610,14 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    app.add_middleware(CountResponses, metrics=server.metrics)
+
     @app.get("/metrics")
     async def metrics():
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.get("/metrics.json")
+    async def metrics_json():
         return {"model": settings.model_name, **server.scheduler.metrics()}
 
     @app.get("/v1/models")
