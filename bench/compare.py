@@ -3,10 +3,16 @@ both times, the ratio (original time / jaxport time: above 1 means jaxport is fa
 time apart, the peak RSS of each side, and a Markdown table of the same.
 
     eval "$(../shared/originals/setup)"      # once: the originals' Python and source (REF_PY, REF_TRM, ...)
-    python bench/compare.py [--only trm_step,gpt_step,gpt_run,trm_loop,dream] [--repeat 3] [--markdown FILE]
+    python bench/compare.py [--only trm_step,gpt_step,gpt_run,trm_loop,dream] [--repeat 3] [--threads N]
 
 Workloads that take under a minute run `--repeat` times, alternating original and jaxport, and report the
 median ratio; longer ones run once. Run it on a quiet machine: nothing else on the cores.
+
+Both sides get the same cores and the same warm-up. `--threads N` (default: every core this process may use)
+pins each child process to the first N of them (CPU affinity, which also sizes XLA:CPU's thread pool) and gives
+PyTorch N threads (`torch.set_num_threads` through each harness's `--threads`, or `OMP_NUM_THREADS` for the
+harnesses that run upstream's training scripts); each side makes the same untimed calls before its timed ones.
+The JSON records both sides' threads (the originals' as their harness reports them) and warm-up calls.
 """
 
 import argparse
@@ -62,10 +68,33 @@ TRM_LOOP = [
 ]
 
 
+CORES = sorted(os.sched_getaffinity(0))  # the cores both sides run on (`--threads` keeps the first N)
+
+
+def side_conditions(threads: int, original_threads: int | None = None) -> dict:
+    """The JSON's record of what each side ran on: cores, threads (the original's as its harness reports them)."""
+    return {
+        "cores": CORES,
+        "jaxport_threads": threads,
+        "jaxport_threads_by": "CPU affinity",
+        "original_threads": original_threads if original_threads is not None else threads,
+        "original_threads_by": "torch.set_num_threads",
+    }
+
+
 def run(command: list[str], cwd=None, env=None) -> tuple[str, float, int]:
-    """(stdout, wall seconds, peak RSS bytes) of a child process; its stderr passes through."""
+    """(stdout, wall seconds, peak RSS bytes) of a child process on `CORES`, with PyTorch's and OpenMP's thread
+    count set to as many; its stderr passes through."""
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, text=True)
+    threads = {name: str(len(CORES)) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={**os.environ, **threads, **(env or {})},
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, CORES),
+    )
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
@@ -78,10 +107,30 @@ def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+# the harnesses in ../shared/originals/bench that take `--threads` (the others run upstream's own scripts, whose torch
+# takes its thread count from OMP_NUM_THREADS)
+THREADS_FLAG = ("trm/bench_upstream.py", "gpt/bench_upstream.py", "dream/bench_upstream.py", "dream/bench_fastdllm.py")
+
+
 def original(script: str, *args: str, out: Path) -> tuple[dict, int]:
-    """Run one of ../shared/originals/bench's harnesses; its --out JSON and peak RSS."""
-    _, _, rss = run([os.environ["REF_PY"], str(SHARED / "originals" / "bench" / script), "--out", str(out), *args])
+    """Run one of ../shared/originals/bench's harnesses on `CORES` with as many torch threads; its --out JSON and
+    peak RSS."""
+    threads = ["--threads", str(len(CORES))] if script in THREADS_FLAG else []
+    command = [os.environ["REF_PY"], str(SHARED / "originals" / "bench" / script), "--out", str(out), *threads, *args]
+    _, _, rss = run(command)
     return json.loads(out.read_text()), rss
+
+
+def torch_threads(report: dict) -> int | None:
+    """The thread count an original's harness says torch used."""
+    for found in (
+        report.get("threads"),
+        report.get("conditions", {}).get("torch_threads"),
+        report.get("machine", {}).get("torch_threads"),
+    ):
+        if found is not None:
+            return int(found)
+    return None
 
 
 def jaxport_bench(script: str, *args: str) -> tuple[list[dict], int]:
@@ -93,11 +142,9 @@ def jaxport_bench(script: str, *args: str) -> tuple[list[dict], int]:
 
 
 def trm_step(tmp: Path, quick: bool):
-    steps, warmup = ("2", "1") if quick else ("3", "1")
+    steps, warmup = ("2", "1") if quick else ("3", "1")  # jaxport's trm_step.py: one untimed call after compiling
     up, up_rss = original(
         "trm/bench_upstream.py",
-        "--threads",
-        "2",
         "--batch",
         "32",
         "--steps",
@@ -121,6 +168,8 @@ def trm_step(tmp: Path, quick: bool):
                     "original_peak_rss": up_rss,
                     "jaxport_peak_rss": rss,
                     **{k: mine[k] for k in ("achieved_gflops", "fraction_of_peak") if k in mine},
+                    "warmup_calls": {"original": int(warmup), "jaxport": 1},
+                    "original_threads": torch_threads(up),
                 },
             )
         )
@@ -156,6 +205,8 @@ def gpt_step(tmp: Path, quick: bool, configs=("cpu_readme",), dropouts=(0.0,)):
                         "original_peak_rss": up_rss,
                         "jaxport_peak_rss": rss,
                         **{k: mine[k] for k in ("achieved_gflops", "fraction_of_peak") if k in mine},
+                        "warmup_calls": {"original": int(iters[3]), "jaxport": int(iters[3])},
+                        "original_threads": torch_threads(up),
                     },
                 )
             )
@@ -192,6 +243,8 @@ def gpt_run(tmp: Path, quick: bool):
             "jaxport_val_loss": round(final["val_loss"], 4),
             "original_peak_rss": up_rss,
             "jaxport_peak_rss": rss,
+            "warmup_calls": {"original": 0, "jaxport": 0},  # whole runs from a cold start
+            "original_threads": torch_threads(up),
         }
         rows.append((f"gpt_run README CPU command (wall, {name})", up["wall_time_s"]["train_py_total"], wall, extras))
     return rows
@@ -244,13 +297,16 @@ def trm_loop(tmp: Path, quick: bool):
                 "jaxport_wall_s": mine["wall_s"],
                 "original_peak_rss": up_rss,
                 "jaxport_peak_rss": rss,
+                "warmup_calls": {"original": 1, "jaxport": 1},  # seconds per step from the first step's end on
+                "original_threads": torch_threads(up),
             },
         )
     ]
 
 
 def dream(tmp: Path, quick: bool, new_tokens: int = 64):
-    runs = ["--runs", "1", "--warmup", "0"] if new_tokens > 64 else ["--runs", "3", "--warmup", "1"]
+    # one untimed generation on each side: jaxport's compiles and runs, the original's runs
+    runs = ["--runs", "1", "--warmup", "1"] if new_tokens > 64 else ["--runs", "3", "--warmup", "1"]
     up, up_rss = original(
         "dream/bench_upstream.py",
         "--max-new-tokens",
@@ -275,6 +331,8 @@ def dream(tmp: Path, quick: bool, new_tokens: int = 64):
                 "jaxport_compile_s": mine[r["batch"]]["generate_compile_s"],
                 "original_peak_rss": up_rss,
                 "jaxport_peak_rss": rss,
+                "warmup_calls": {"original": int(runs[3]), "jaxport": 1},
+                "original_threads": torch_threads(up),
             },
         )
         for r in up["results"]
@@ -283,7 +341,6 @@ def dream(tmp: Path, quick: bool, new_tokens: int = 64):
 
 # -- fastdllm: Fast-dLLM's own decoding against jaxport's schedule="fastdllm", same inputs, same passes
 
-FASTDLLM_THREADS = str(os.cpu_count())  # torch's threads; XLA:CPU uses every core
 TORCH_PEAK = """import json, statistics, sys, time, torch
 torch.set_num_threads(int(sys.argv[1])); a = torch.randn(2048, 2048); a @ a; times = []
 for _ in range(5):
@@ -299,7 +356,7 @@ def fastdllm(tmp: Path, quick: bool):
     at 1 and 4). Each side: median of 3 timed passes over all prompts after its warm-up; tokens compared in the
     same run (rows equal to Fast-dLLM's, and jaxport's batched rows equal to its batch-1 rows)."""
     runs = ["--runs", "1" if quick else "3"]
-    torch_peak = json.loads(run([os.environ["REF_PY"], "-c", TORCH_PEAK, FASTDLLM_THREADS])[0])
+    torch_peak = json.loads(run([os.environ["REF_PY"], "-c", TORCH_PEAK, str(len(CORES))])[0])
     task, big = tmp / "fastdllm_task", tmp / "fastdllm_40m"
     jaxport_bench("dream_fastdllm.py", "prepare", "task", str(task), "--prompts", "8" if quick else "64")
     jaxport_bench("dream_fastdllm.py", "prepare", "tiny" if quick else "40m", str(big), "--prompts", "4")
@@ -339,7 +396,7 @@ def fastdllm(tmp: Path, quick: bool):
             "--warmup",
             "1",
             "--threads",
-            FASTDLLM_THREADS,
+            str(len(CORES)),
             "--batches",
             ",".join(map(str, theirs)),
             out=tmp / "fastdllm.json",
@@ -379,6 +436,8 @@ def fastdllm(tmp: Path, quick: bool):
                             "jaxport_compile_s": r["compile_s"],
                             "original_peak_rss": up_rss,
                             "jaxport_peak_rss": rss,
+                            "warmup_calls": {"original": 1, "jaxport": 1},
+                            **side_conditions(len(CORES), torch_threads(up)),
                         },
                     )
                 )
@@ -419,7 +478,16 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the workloads under a minute")
     parser.add_argument("--markdown", default="compare.md", help="where to write the Markdown table")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not a measurement)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(CORES),
+        help=f"cores (and torch threads) for both sides (default: the {len(CORES)} this process may use)",
+    )
     args = parser.parse_args()
+    if not 1 <= args.threads <= len(CORES):
+        parser.error(f"--threads {args.threads}: this process may use 1 to {len(CORES)} cores")
+    CORES[:] = CORES[: args.threads]
     check_originals()
     chosen = []
     for name in args.only.split(","):
@@ -451,6 +519,7 @@ def main() -> int:
                 "rounds": len(rounds),
                 "round_ratios": [round(r, 3) for r in ratios],
                 **extras,
+                **side_conditions(args.threads, extras.get("original_threads")),
                 **cpu,
             }
             print(json.dumps(record), flush=True)
@@ -461,8 +530,8 @@ def main() -> int:
             )
     header = (
         f"jaxport / PyTorch originals, back to back on {time.strftime('%Y-%m-%d')}, {cpu['cpu_count']} cores of "
-        f"{cpu['cpu_model']} ({', '.join(cpu['cpu_isa']) or 'no AVX2'}; {' '.join(os.uname()[::2])}); "
-        "ratio = original time / jaxport time"
+        f"{cpu['cpu_model']} ({', '.join(cpu['cpu_isa']) or 'no AVX2'}; {' '.join(os.uname()[::2])}), both sides "
+        f"on {args.threads} of them (CPU affinity; torch threads {args.threads}); ratio = original time / jaxport time"
     )
     Path(args.markdown).write_text(header + "\n\n" + "\n".join(lines) + "\n")
     print(f"wrote {args.markdown}")

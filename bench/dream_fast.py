@@ -31,7 +31,7 @@ import numpy as np
 from _common import environment, peak_rss_bytes
 
 from jaxport import dream
-from jaxport.dream import bench
+from jaxport.dream import throughput
 
 NAMES = {"exact": "exact", "cache": "+cache", "parallel": "+parallel", "both": "+cache +parallel"}  # for logs
 
@@ -56,7 +56,7 @@ def passes(model, batches: list, repeats: int, **generation_args) -> dict:
     """Compile time (an untimed pass over every batch) and the seconds of each timed pass over all batches, with
     the last pass's sequences."""
     run = lambda ids, mask: model.diffusion_generate(ids, mask, return_dict_in_generate=False, **generation_args)
-    compile_s, _ = bench.timed(lambda: [run(*b) for b in batches], 0)
+    compile_s, _ = throughput.timed(lambda: [run(*b) for b in batches], 0)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -223,7 +223,7 @@ def main():
         "problems": len(problems) if problems else None,
         "results": rows,
         "peak_rss_bytes": peak_rss_bytes(),
-        "peak_device_memory_bytes": bench.peak_memory_bytes(),
+        "peak_device_memory_bytes": throughput.peak_memory_bytes(),
         "loadavg": os.getloadavg(),
     }
     if args.upstream:

@@ -15,7 +15,7 @@ import jax
 from _common import environment, peak_rss_bytes
 
 from jaxport import dream
-from jaxport.dream import bench
+from jaxport.dream import throughput
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model = dream.random_model(dream.preset(args.size), dtype=args.dtype)
-    result = bench.run(
+    result = throughput.run(
         model,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,

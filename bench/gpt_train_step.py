@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from _common import compiled_flops, emit, environment, peak_flops, peak_rss_bytes, utilisation
 
-from jaxport import malloc
 from jaxport.compile_time import with_compile_seconds
 from jaxport.gpt import train as gpt_train
 from jaxport.gpt.model import estimate_mfu
+from jaxport.runtime import host_memory
 
-malloc.restart_with_huge_pages()  # as `jaxport gpt` does
+host_memory.tune_process(training=True)  # as `jaxport gpt train` does
 
 CONFIGS = {  # the original harness's CONFIGS
     "cpu_readme": dict(

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxport import runtime
+
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+?)(?:\{[^}]*\})? (\w[\w-]*)\(")
 CALLS = re.compile(r"calls=%?([\w.\-]+)")
 
@@ -85,9 +87,10 @@ def kind_of(name: str, instructions: dict, computations: dict) -> tuple[str, flo
     )
 
 
-def profile(function, args, top: int, only_kind: str | None = None, compiler_options=None, repeat: int = 1) -> None:
-    """Times are per call, averaged over `repeat` traced calls (a single call's first-touch outliers even out)."""
-    compiled = jax.jit(function, compiler_options=compiler_options).lower(*args).compile()
+def profile(function, args, step_runtime, top: int, only_kind: str | None = None, repeat: int = 1) -> None:
+    """`function(*args)` compiled as jaxport compiles it (`step_runtime`). Times are per call, averaged over
+    `repeat` traced calls (a single call's first-touch outliers even out)."""
+    compiled = runtime.jit(function, step_runtime).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
     jax.block_until_ready(compiled(*args))
     instructions, computations = hlo_index(compiled.as_text())
@@ -162,8 +165,7 @@ def trm_step(args):
         args.batch,  # noqa: E731
         jax.random.key(0),
     )
-    step.compiler_options = model.compiler_options(batch["inputs"].shape)  # the options jaxport trains with
-    return step, (state, model.initial_carry(batch), batch)
+    return step, (state, model.initial_carry(batch), batch), model.runtime_for(batch["inputs"].shape)
 
 
 def gpt_step(args):
@@ -184,9 +186,7 @@ def gpt_step(args):
     }
     trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
     X = np.random.default_rng(0).integers(0, vocab, (1, cfg["batch_size"], cfg["block_size"]))
-    step = trainer._step.__wrapped__ if hasattr(trainer._step, "__wrapped__") else trainer._step
-    step.compiler_options = trainer.compiler_options  # the options jaxport compiles this step with
-    return step, trainer.step_args(X, X, 1e-3)
+    return trainer._step.__wrapped__, trainer.step_args(X, X, 1e-3), trainer.runtime
 
 
 def dream(args):
@@ -194,7 +194,7 @@ def dream(args):
 
     from jaxport import dream as dream_lib
     from jaxport.dream.exact import exact_loop
-    from jaxport.dream.program import decoding_compiler_options, prepare_generation
+    from jaxport.dream.program import prepare_generation
 
     model = dream_lib.random_model(dream_lib.preset("40m"))
     ids = np.random.default_rng(0).integers(0, 31000, (args.batch, 32)).astype(np.int32)
@@ -206,8 +206,8 @@ def dream(args):
     def generate(state, x, key):
         return exact_loop(graphdef, state, x, prepared.valid_BN, key, prepared.program)
 
-    generate.compiler_options = decoding_compiler_options(model, prepared.x_BN)  # the options jaxport compiles with
-    return generate, (state, prepared.x_BN, prepared.key)
+    # the runtime jaxport decodes with
+    return generate, (state, prepared.x_BN, prepared.key), runtime.for_tokens(prepared.x_BN, model.dtype)
 
 
 def main():
@@ -224,8 +224,9 @@ def main():
     parser.add_argument("--kind", default=None, help="list only ops of this kind (dot, convert, transpose, ...)")
     parser.add_argument("--repeat", type=int, default=1, help="calls to trace; times are their average")
     args = parser.parse_args()
-    function, call_args = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream}[args.workload](args)
-    profile(function, call_args, args.top, args.kind, getattr(function, "compiler_options", None), args.repeat)
+    workload = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream}[args.workload]
+    function, call_args, step_runtime = workload(args)
+    profile(function, call_args, step_runtime, args.top, args.kind, args.repeat)
 
 
 if __name__ == "__main__":

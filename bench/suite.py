@@ -23,6 +23,10 @@ family's process at the row's end; the original: each row) and a family that fai
 reports the error in its rows while the others still run. The report is rewritten after each family, and a child
 that outlives `--timeout` is stopped with its rows saying so, so a run cut short keeps what it finished. `--tiny`
 takes the same paths at tiny sizes: about a minute on a CPU (tests/test_suite.py runs it).
+
+- gaps: bench/gpu_gaps.py, the gaps the H200 trace pointed at (GPT-2's iteration with and without XLA's command
+  buffers, reading every loss or dispatching ahead; TRM's mlp_t bf16 step profiled), in its own process, its report
+  in `gpu_gaps/` beside the suite's and summarised in it.
 """
 
 import argparse
@@ -47,6 +51,7 @@ from _common import emit, environment, memory_high_water, utilisation
 from jaxport.dream import preset
 
 FAMILIES = ("trm", "gpt", "dream")
+STUDIES = ("gaps",)  # bench/gpu_gaps.py
 UNITS = {"trm": "puzzles/s", "gpt": "tokens/s", "dream": "new tokens/s"}  # throughput
 TINY_TRM = dict(
     trm_step.PAPER_SUDOKU,
@@ -194,8 +199,8 @@ def dream_rows(size: dict, peaks: dict):
     exact_s = None
     for (batch, fast), label in zip(modes, workloads("dream", size)):
         ids = np.random.default_rng(batch).integers(0, low, (batch, size["prompt_len"])).astype(np.int32)
-        timing = dream_fast.speed(
-            model, ids, None, size["repeats"], max_new_tokens=new, steps=new, alg="entropy", **fast
+        timing = dream_fast.passes(
+            model, [(ids, None)], size["repeats"], max_new_tokens=new, steps=new, alg="entropy", **fast
         )
         seconds = timing["median_s"]
         row = {
@@ -502,6 +507,8 @@ def markdown(report: dict) -> str:
             "Peak: " + ("; ".join(f"{source} {flops_text(g)}" for source, g in peaks) or "—"),
             "",
         ]
+    if "gpu_gaps" in report:
+        lines += gaps_markdown(report["gpu_gaps"])
     lines += [
         "Memory: jaxport, the high-water mark of the family's process when the row finished (device "
         "peak_bytes_in_use, or peak RSS on a CPU); the original, each row's torch.cuda.max_memory_allocated. "
@@ -513,9 +520,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def gaps_section(args, out: Path) -> dict:
+    """bench/gpu_gaps.py's report (its `--tiny` mode with the suite's), or why it has none."""
+    command = [sys.executable, str(Path(__file__).with_name("gpu_gaps.py")), "--out", str(out / "gpu_gaps")]
+    _, code, err = run_child(command + (["--tiny"] if args.tiny else []), args.timeout)
+    if code:
+        return {"status": "error", "reason": f"exit {code}: {err}"}
+    return {"status": "ok", **json.loads((out / "gpu_gaps" / "gpu_gaps.json").read_text())}
+
+
+def gaps_markdown(gaps: dict) -> list[str]:
+    lines = ["## GPU gaps (bench/gpu_gaps.py)", ""]
+    if gaps["status"] != "ok":
+        return [*lines, f"{gaps['status']}: {gaps['reason'].strip().splitlines()[-1]}", ""]
+    interval = gaps["interval"]
+    lines += [
+        f"| XLA command buffers | s per GPT iteration, loss read every iteration | every {interval} |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {row['read_every_iteration_s']:.5f} | {row[f'read_every_{interval}_s']:.5f} |"
+        for name, row in gaps["gpt"].items()
+    ]
+    kinds = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in list(gaps["trm"]["summary"]["by_kind_s"].items())[:4])
+    return [*lines, "", f"TRM mlp_t bf16 step by op kind: {kinds} (the top ops: gpu_gaps/gpu_gaps.md)", ""]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families: trm, gpt, dream")
+    parser.add_argument(
+        "--only", default=",".join(FAMILIES + STUDIES), help="comma-separated: trm, gpt, dream, gaps (gpu_gaps.py)"
+    )
     parser.add_argument("--batch", type=int, default=None, help="GPT batch size (default 8; 4 with --tiny)")
     parser.add_argument("--out", default="suite_report", help="folder for suite.json and suite.md")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, the same code paths (a CPU smoke run)")
@@ -531,10 +566,11 @@ def main() -> int:
     if args.child:
         child(args.child, size[args.child])
         return 0
-    families = args.only.split(",")
-    unknown = [f for f in families if f not in FAMILIES]
+    chosen = args.only.split(",")
+    unknown = [f for f in chosen if f not in FAMILIES + STUDIES]
     if unknown:
-        parser.error(f"--only {args.only}: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
+        parser.error(f"--only {args.only}: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES + STUDIES)}")
+    families = [f for f in chosen if f in FAMILIES]
     status = originals_status(args.skip_originals)
     report = {
         "suite": "jaxport accelerator suite",
@@ -556,6 +592,10 @@ def main() -> int:
             report["sizes"][family], report["sections"][family] = size[family], rows
             (out / "suite.json").write_text(json.dumps(report, indent=1, default=str))  # after each family: a run
             (out / "suite.md").write_text(markdown(report))  # cut short keeps what it finished
+    if "gaps" in chosen:
+        report["gpu_gaps"] = gaps_section(args, out)
+        (out / "suite.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "suite.md").write_text(markdown(report))
     print(f"wrote {out / 'suite.json'} and {out / 'suite.md'}")
     return 0
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import jax
 from _common import emit, environment, peak_rss_bytes
 
-from jaxport import malloc
+from jaxport.runtime import host_memory
 from jaxport.trm.run_config import load_run_config
 from jaxport.trm.train import Trainer
 
-malloc.restart_with_huge_pages()  # as `jaxport trm` does
+host_memory.tune_process(training=True)  # as `jaxport trm train` does
 
 
 def main():

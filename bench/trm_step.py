@@ -18,11 +18,12 @@ import numpy as np
 from _common import compiled_flops, emit, environment, peak_rss_bytes, utilisation
 from flax import nnx
 
-from jaxport import malloc
+from jaxport import runtime
+from jaxport.runtime import host_memory
 from jaxport.trm import TRM, TRMConfig
 from jaxport.trm.model import loss_and_grad
 
-malloc.restart_with_huge_pages()  # as `jaxport trm` does
+host_memory.tune_process(training=True)  # as `jaxport trm train` does
 
 PAPER_SUDOKU = dict(
     vocab_size=11,
@@ -82,11 +83,11 @@ def bench(
         return loss_and_grad(nnx.merge(graphdef, state), carry, batch, batch_size, halt_key)
 
     start = time.perf_counter()
-    # the options jaxport trains with (TRM.compiler_options)
-    lowered = jax.jit(step, compiler_options=model.compiler_options(batch["inputs"].shape)).lower(state, carry, batch)
+    # the runtime jaxport trains with, and the host-memory policy its trainer sets for its step
+    lowered = runtime.jit(step, model.runtime_for(batch["inputs"].shape)).lower(state, carry, batch)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
-    malloc.reuse_memory_for(compiled)  # the host-memory policy jaxport's trainer sets for its step
+    host_memory.keep_temporaries(compiled)
     # FLOPs of the unrolled program: the cost analysis counts a fori_loop body once
     flops = compiled_flops(lowered, compiled) if loop == "unrolled" else None
     (carry, *_), _ = jax.block_until_ready(compiled(state, carry, batch))  # first run: allocations, thread pools

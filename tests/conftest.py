@@ -35,6 +35,6 @@ def pytest_unconfigure(config):
 def keep_malloc_defaults(monkeypatch):
     """The jaxport command tunes glibc's malloc for its process; tests that call `jaxport.cli.main` in the test
     process use this to leave the test process alone."""
-    from jaxport import malloc
+    from jaxport.runtime import host_memory
 
-    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: None)
+    monkeypatch.setattr(host_memory, "tune_process", lambda training: None)

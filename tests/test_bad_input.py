@@ -425,7 +425,7 @@ CASES = {
             "--dtype",
             "float32",
         ],
-        ["steps=0 must be between 1 and the number of new tokens (8)"],
+        ["steps: must be a positive integer, got 0"],
     ),
     "dream/top_p_above_one": Case(
         [

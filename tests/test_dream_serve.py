@@ -445,3 +445,91 @@ def _refused(url: str) -> bool:
         return False
     except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return True
+
+
+CONTINUOUS = {"block_length": 4, "cache": "dual"}
+
+
+@pytest.fixture(scope="module")
+def continuous_server(tmp_path_factory):
+    """Continuous batching: block-wise dual-cache rows of 16 or 128 new tokens share one running batch of 4 rows."""
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    process, url = start_server(
+        log_path,
+        *("--max-batch", "4", "--max-queue", "16", "--max-context", "192", "--prompt-buckets", "64"),
+        *("--max-tokens-buckets", "16,128", "--batching", "continuous", "--block-length", "4", "--cache", "dual"),
+    )
+    yield url, log_path
+    process.kill()
+    process.wait()
+
+
+def _long_prompt(url: str) -> str:
+    """A prompt whose 128 greedy tokens hold no end-of-text (so its row runs all 32 blocks)."""
+    for prompt in PROMPTS:
+        if complete(url, prompt, max_tokens=128).choices[0].finish_reason == "length":
+            return prompt
+    pytest.fail("every prompt ends early on the fixture model")
+
+
+def test_continuous_batching_starts_a_request_while_a_long_one_runs(continuous_server):
+    url, log_path = continuous_server
+    long_prompt = _long_prompt(url)
+    before = metrics(url)
+    stamps, short = [], {}
+    stream = complete(url, long_prompt, max_tokens=128, stream=True)
+    for _ in stream:
+        stamps.append(time.monotonic())
+        if len(stamps) == 1:  # the long one's first block is out: a short request joins at a block boundary
+            thread = threading.Thread(
+                target=lambda: short.update(
+                    text=[c.choices[0].text for c in complete(url, PROMPTS[3], stream=True)], done=time.monotonic()
+                )
+            )
+            thread.start()
+    thread.join()
+    assert short["done"] < stamps[-1], "the short request waited for the long one"
+    assert "".join(short["text"]) == complete(url, PROMPTS[3]).choices[0].text
+    after = metrics(url)
+    assert after["compilations"] == before["compilations"] and after["errors"] == 0
+    assert (
+        "at start-up: running batch 4, prompt 64 + 128 new tokens, alg entropy, block_length 4" in log_path.read_text()
+    )
+
+
+def test_continuous_batching_frees_a_gone_clients_row_at_the_next_boundary(continuous_server):
+    url, _ = continuous_server
+    long_prompt = _long_prompt(url)
+    before = metrics(url)
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": NAME, "prompt": long_prompt, "max_tokens": 128, "stream": True},
+        timeout=60,
+    ) as response:
+        next(response.iter_lines())  # its first block
+    wait_for(lambda: metrics(url)["cancelled"] == before["cancelled"] + 1 and metrics(url)["running_rows"] == 0)
+    # its row left before its 32 blocks ran
+    assert metrics(url)["block_calls"] - before["block_calls"] < 32
+
+
+def test_continuous_batching_replies_equal_the_library_alone(continuous_server):
+    url, _ = continuous_server
+    requests = []
+    for i, prompt in enumerate(PROMPTS[1:3] * 4):  # two prompt lengths
+        temperature, seed = [(0.0, None), (0.7, 40 + i), (0.0, None), (1.1, 3)][i % 4]
+        extra = {"threshold": 0.5} if i % 3 == 1 else {}
+        requests.append((prompt, (128, 16, 10, 40)[i % 4], dict(temperature=temperature, seed=seed), extra))
+
+    def send(request):
+        prompt, max_tokens, options, extra = request
+        return complete(url, prompt, max_tokens=max_tokens, extra_body=extra, **options).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(send, requests))
+    model, tokenizer = dream.load(MODEL, dtype="float32")
+    for (prompt, max_tokens, options, extra), reply in zip(requests, replies, strict=True):
+        new_tokens = 16 if max_tokens <= 16 else 128
+        settings = {"steps": new_tokens, "alg": "entropy", **CONTINUOUS, **extra, "temperature": options["temperature"]}
+        expected = _library_text(model, tokenizer, prompt, max_tokens, new_tokens, options["seed"], **settings)
+        assert reply == expected, (prompt, max_tokens, options, extra)

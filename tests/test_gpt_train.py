@@ -83,12 +83,12 @@ def compiled_step_text(trainer) -> str:
 def test_resume_two_iterations_match_nanogpt(resumed):
     """Small products compile as YNNPACK fusions of one dot each, and the LayerNorm, softmax and loss
     reductions stay plain reductions (XLA:CPU's windowed rewrite of them is slower)."""
-    from jaxport import compile_time
+    from jaxport.runtime import policy
 
     trainer = resumed[2]
     assert trainer.compiler_options == {
         "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
-        **compile_time.PLAIN_REDUCTIONS,
+        **policy.PLAIN_REDUCTIONS,
     }
     text = compiled_step_text(trainer)
     assert "ynn_fusion" in text and "reduce-window" not in text
@@ -98,9 +98,9 @@ def test_resume_two_iterations_match_nanogpt(resumed):
 def test_large_step_compiles_without_ynnpack_dots_and_still_matches_nanogpt(tmp_path, monkeypatch):
     """A step with LARGE_MATMUL_ROWS rows or more (GPT's train_shakespeare_char step) compiles its float32 dots
     outside YNNPACK on a CPU, the faster path there; the fixture's rows stand in for a large step here."""
-    from jaxport import compile_time
+    from jaxport.runtime import policy
 
-    monkeypatch.setattr(compile_time, "LARGE_MATMUL_ROWS", 1)
+    monkeypatch.setattr(policy, "LARGE_MATMUL_ROWS", 1)
     resumed = resume_two_iterations(tmp_path)
     trainer = resumed[2]
     assert trainer.compiler_options == {"xla_cpu_experimental_ynn_fusion_type": ""}

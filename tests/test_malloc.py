@@ -1,4 +1,5 @@
-"""The host-memory tuning of the jaxport command, in fresh processes (it changes the process it runs in)."""
+"""The host-memory policy (`jaxport.runtime.host_memory`), in fresh processes (it changes the process it runs in),
+judged by load-independent counters: page faults per call, the heap's huge pages, the dispatch setting."""
 
 import json
 import os
@@ -14,8 +15,8 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc malloc tu
 # burst is not what these tests measure.
 MEDIAN_FAULTS = """
 import json, resource, statistics, jax
-from jaxport import malloc
-malloc.keep_freed_memory()
+from jaxport.runtime import host_memory
+host_memory.tune_process(training=True)
 
 def median_faults(call, calls=20, warmup=3):
     for _ in range(warmup):  # a call may allocate before the previous one has freed: two blocks in turn
@@ -26,13 +27,35 @@ def median_faults(call, calls=20, warmup=3):
         jax.block_until_ready(call())
         counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
     return statistics.median(counts)
+
+def heap_memory():
+    # the heap's resident bytes and those on transparent huge pages (its [heap] mappings in /proc/self/smaps)
+    in_heap, kb = False, {"Rss:": 0, "AnonHugePages:": 0}
+    for line in open("/proc/self/smaps"):
+        if not line.split()[0].endswith(":"):
+            in_heap = line.rstrip().endswith("[heap]")
+        elif in_heap and line.split()[0] in kb:
+            kb[line.split()[0]] += int(line.split()[1])
+    return {"heap": kb["Rss:"] * 1024, "heap_huge_pages": kb["AnonHugePages:"] * 1024}
 """
 
 
 def run_with_median_faults(script: str) -> dict:
-    """The JSON line that `script`, run after MEDIAN_FAULTS in a fresh process, prints last."""
-    out = subprocess.run([sys.executable, "-c", MEDIAN_FAULTS + script], capture_output=True, text=True, check=True)
+    """The JSON line that `script`, run after MEDIAN_FAULTS in a fresh process (no glibc tunables), prints last."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run(
+        [sys.executable, "-c", MEDIAN_FAULTS + script], capture_output=True, text=True, check=True, env=env
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's transparent-huge-page mode: always, madvise or never (empty where there is none)."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return ""
+    return text.split("[")[1].split("]")[0]
 
 
 FAULTS_PER_CALL = """
@@ -46,18 +69,21 @@ x = jnp.ones((2048, 2048))
 compiled = jax.jit(step).lower(x).compile()
 
 before = median_faults(lambda: compiled(x))
-malloc.reuse_memory_for(compiled)
+host_memory.keep_temporaries(compiled)
 after = median_faults(lambda: compiled(x))
-print(json.dumps({"temp": compiled.memory_analysis().temp_size_in_bytes, "before": before, "after": after}))
+print(json.dumps({"temp": compiled.memory_analysis().temp_size_in_bytes, "before": before, "after": after,
+                  **heap_memory()}))
 """
 
 
-def test_a_step_under_the_trim_threshold_reuses_its_temporaries_instead_of_faulting_them_in():
+def test_a_step_under_the_trim_threshold_keeps_its_temporaries_on_huge_pages_instead_of_faulting_them_in():
     result = run_with_median_faults(FAULTS_PER_CALL)
     assert result["temp"] > 32 << 20
     assert result["before"] > 0.5 * result["temp"] / 4096  # a fresh mapping, faulted in page by page
     # steady state: none; a call that allocates before the previous one has freed adds a block, once
     assert result["after"] < 0.2 * result["before"]
+    if transparent_huge_pages() in ("always", "madvise"):  # advised in-process: no restart, no glibc tunable
+        assert result["heap"] > result["temp"] and result["heap_huge_pages"] > 0.9 * result["heap"]
 
 
 @pytest.mark.parametrize("memory_gb", [64, 0.25])
@@ -67,9 +93,9 @@ def test_a_step_over_the_trim_threshold_reuses_its_temporaries_where_two_fit_in_
     afresh every call."""
     fake_machine = f"""
 import types
-malloc.TRIM_THRESHOLD = 64 << 20
+host_memory.TRIM_THRESHOLD = 64 << 20
 pages = int({memory_gb} * (1 << 30)) // 4096
-malloc.os = types.SimpleNamespace(sysconf=lambda name: {{"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": pages}}[name])
+host_memory.os = types.SimpleNamespace(sysconf=lambda name: {{"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": pages}}[name])
 """
     result = run_with_median_faults(fake_machine + FAULTS_PER_CALL)
     assert result["temp"] > 64 << 20
@@ -78,17 +104,6 @@ malloc.os = types.SimpleNamespace(sysconf=lambda name: {{"SC_PAGE_SIZE": 4096, "
         assert result["after"] < 0.2 * result["before"]
     else:
         assert result["after"] > 0.5 * result["temp"] / 4096
-
-
-def test_restart_with_huge_pages_keeps_the_arguments_and_sets_the_tunable_once():
-    code = (
-        "import os, sys; from jaxport import malloc; malloc.restart_with_huge_pages(); "
-        "print(os.environ['GLIBC_TUNABLES'], sys.argv[1:])"
-    )
-    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}
-    env.pop("JAXPORT_NO_RESTART", None)
-    out = subprocess.run([sys.executable, "-c", code, "a", "--b"], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.splitlines() == ["glibc.malloc.trim_threshold=1048576:glibc.malloc.hugetlb=1 ['a', '--b']"]
 
 
 GPT_STEP_FAULTS = """
@@ -129,9 +144,29 @@ print(json.dumps({"async_dispatch": jax.config.read("jax_cpu_enable_async_dispat
 """
 
 
-def test_steps_run_on_the_calling_thread_and_xla_s_workers_keep_arenas_of_their_own():
+def test_training_steps_run_on_the_calling_thread_and_xla_s_workers_keep_arenas_of_their_own():
     """One arena for every thread made the workers' many small allocations (oneDNN's matmul workspace) queue on
-    one lock (docs/performance.md, "Malloc arenas")."""
+    one lock (docs/performance.md, "Host memory")."""
     result = run_with_median_faults(ARENAS)
     assert result["async_dispatch"] is False  # the step's temporaries come from the main thread's arena
     assert result["arenas"] > 1
+
+
+COMMAND_DISPATCH = """
+import contextlib, io, jax
+from jaxport import cli
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    cli.main([{family!r}, {action!r}, "--help"])
+print(jax.config.read("jax_cpu_enable_async_dispatch"))
+"""
+
+
+@pytest.mark.parametrize(
+    "family, action, asynchronous",
+    [("gpt", "train", False), ("trm", "train", False), ("dream", "train", False), ("dream", "serve", True)],
+)
+def test_only_the_training_commands_turn_asynchronous_dispatch_off(family, action, asynchronous):
+    """A server's or decoder's calls keep JAX's asynchronous CPU dispatch; training steps need the calling thread."""
+    code = COMMAND_DISPATCH.format(family=family, action=action)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == str(asynchronous)

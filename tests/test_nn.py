@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from flax import nnx
 
+from jaxport import runtime
 from jaxport.nn import (
     Attention,
     Linear,
@@ -28,6 +29,7 @@ from jaxport.nn.linear import matmul_f32, matmul_t_f32
 from jaxport.nn.mlp import gelu, silu
 
 rng = np.random.default_rng(0)
+GPU = runtime.Runtime(platform="gpu", attention="cudnn", row_major_operands=False, split_rows=False)
 
 
 def test_truncated_normal_has_the_requested_std_after_truncation():
@@ -285,25 +287,25 @@ def test_attention_on_a_gpu_takes_cudnns_fused_kernel_where_it_applies(monkeypat
         return real(*args, implementation="xla", **kwargs)
 
     q, k, v = (jnp.asarray(rng.normal(size=(2, 256, 4, 16)), jnp.bfloat16) for _ in range(3))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn_as_xla)
-    fused = dot_product_attention(q, k, v, causal=True)
-    np.testing.assert_array_equal(np.asarray(fused), np.asarray(real(q, k, v, is_causal=True)))
-    dot_product_attention(q, k[:, :64, :2], v[:, :64, :2])  # grouped KV heads, 256 queries over 64 keys
-    assert calls == [("cudnn", True), ("cudnn", False)]
-    dot_product_attention(q, k, v, causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), causal=True)
-    dot_product_attention(q, k, v, mask=jnp.ones((2, 256), bool))
-    assert len(calls) == 2  # dropout, float32 and a mask are XLA's
+    with runtime.use(GPU):
+        fused = dot_product_attention(q, k, v, causal=True)
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(real(q, k, v, is_causal=True)))
+        dot_product_attention(q, k[:, :64, :2], v[:, :64, :2])  # grouped KV heads, 256 queries over 64 keys
+        assert calls == [("cudnn", True), ("cudnn", False)]
+        dot_product_attention(q, k, v, causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+        dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), causal=True)
+        dot_product_attention(q, k, v, mask=jnp.ones((2, 256), bool))
+        assert len(calls) == 2  # dropout, float32 and a mask are XLA's
 
-    monkeypatch.setattr(jax.nn, "dot_product_attention", real)  # this CPU's cuDNN refuses: "not detected"
-    fallback = dot_product_attention(q, k, v, causal=True)
+        monkeypatch.setattr(jax.nn, "dot_product_attention", real)  # this CPU's cuDNN refuses: "not detected"
+        fallback = dot_product_attention(q, k, v, causal=True)
     monkeypatch.setattr(attention, "CAUSAL_BLOCK", 1024)  # the full masked product, as on a CPU with one block
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    np.testing.assert_array_equal(np.asarray(fallback), np.asarray(dot_product_attention(q, k, v, causal=True)))
+    with runtime.use(runtime.Runtime(platform="cpu")):
+        np.testing.assert_array_equal(np.asarray(fallback), np.asarray(dot_product_attention(q, k, v, causal=True)))
 
 
-def test_bf16_linear_gradients_off_the_cpu_are_plain_products_without_layout_copies(monkeypatch):
+def test_bf16_linear_gradients_off_the_cpu_are_plain_products_without_layout_copies():
     """The row-major copies and barriers that keep XLA:CPU's bf16 weight gradients fast are CPU-only: on a GPU the
     backward is two plain products (the same values up to float order)."""
     from jaxport.nn.linear import matmul_t_f32
@@ -311,11 +313,10 @@ def test_bf16_linear_gradients_off_the_cpu_are_plain_products_without_layout_cop
     x = jnp.asarray(rng.normal(size=(96, 32)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(48, 32)), jnp.bfloat16)
     grad = jax.grad(lambda x, w: jnp.sum(matmul_t_f32(x, w) ** 2), argnums=(0, 1))
-    on_cpu = (str(jax.make_jaxpr(grad)(x, w)), grad(x, w))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    jax.clear_caches()  # the custom backward's trace is cached per process, whose backend never changes
-    on_gpu = (str(jax.make_jaxpr(grad)(x, w)), grad(x, w))
-    jax.clear_caches()
+    with runtime.use(runtime.Runtime(platform="cpu")):
+        on_cpu = (str(jax.make_jaxpr(grad)(x, w)), grad(x, w))
+    with runtime.use(GPU):  # traced again: the runtime is part of JAX's cache key
+        on_gpu = (str(jax.make_jaxpr(grad)(x, w)), grad(x, w))
     assert "optimization_barrier" in on_cpu[0] and "transpose" in on_cpu[0]
     assert "optimization_barrier" not in on_gpu[0] and "transpose" not in on_gpu[0]
     assert on_gpu[0].count("dot_general") == 3  # forward, input gradient, weight gradient

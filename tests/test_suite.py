@@ -1,5 +1,6 @@
 """bench/suite.py end to end at --tiny sizes, so the accelerator suite cannot rot: every family's rows are
-measured, the originals' rows say why they did not run where torch has no CUDA, and both reports are written."""
+measured, the originals' rows say why they did not run where torch has no CUDA, bench/gpu_gaps.py's study runs,
+and both reports are written."""
 
 import json
 import subprocess
@@ -52,12 +53,20 @@ def test_tiny_suite_reports_every_family_and_why_the_originals_did_not_run(tmp_p
                 expected = "no fast decoding" if label.startswith("fast") else originals["reason"]
                 assert expected in r["reason"]
     assert originals["available"] or originals["reason"].splitlines()[-1] in markdown
+    gaps = report["gpu_gaps"]
+    assert gaps["status"] == "ok" and gaps["tiny"], gaps
+    assert sorted(gaps["gpt"]) == ["command buffers (XLA's default)", "no command buffers"]
+    assert gaps["gpt"]["no command buffers"]["xla_flags"].endswith("--xla_gpu_enable_command_buffer=")
+    for row in gaps["gpt"].values():
+        assert row["read_every_iteration_s"] > 0 and row[f"read_every_{gaps['interval']}_s"] > 0
+    assert gaps["trm"]["summary"]["ops_s_total"] > 0 and gaps["trm"]["top_ops"]
+    assert "## GPU gaps (bench/gpu_gaps.py)" in markdown and (tmp_path / "gpu_gaps" / "gpu_gaps.md").is_file()
 
 
 def test_unknown_family_is_one_clear_error(tmp_path):
     proc = run_suite("--only", "trm,llama", "--out", str(tmp_path))
     assert proc.returncode == 2
-    assert "--only trm,llama: unknown llama; choose from trm, gpt, dream" in proc.stderr
+    assert "--only trm,llama: unknown llama; choose from trm, gpt, dream, gaps" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "suite.json").exists()
 
 

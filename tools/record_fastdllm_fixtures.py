@@ -150,7 +150,7 @@ def margins(model, ids: np.ndarray, settings: dict) -> tuple[list[float], np.nda
     new tokens."""
     out = model.diffusion_generate(ids, output_scores=True, **settings)
     confidence, n_transfer = np.asarray(out.confidence, np.float64), np.asarray(out.n_transfer)
-    L, threshold = ids.shape[1], settings["threshold"]
+    L, threshold = ids.shape[1], settings.get("threshold")
     steps_per_block = confidence.shape[0] // (settings["max_new_tokens"] // BLOCK)
     smallest = np.full(ids.shape[0], np.inf)
     for step in range(confidence.shape[0]):

@@ -4,7 +4,6 @@ import importlib
 import logging
 import sys
 
-from jaxport import malloc
 from jaxport.errors import JaxportError, os_error
 
 FAMILIES = {
@@ -12,6 +11,8 @@ FAMILIES = {
     "gpt": "nanoGPT: prepare data, train, sample",
     "dream": "Dream / DiffuCoder: generate, bench, serve",
 }
+# actions that run training steps: their CPU steps run on the calling thread (`host_memory.tune_process`)
+TRAINING_ACTIONS = {("trm", "train"), ("trm", "demo"), ("gpt", "train"), ("dream", "train")}
 
 
 def _usage() -> str:
@@ -22,8 +23,6 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] in (["gpt"], ["trm"]):  # run as the program, not called from Python
-        malloc.restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -32,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     if family not in FAMILIES:
         print(f"jaxport: unknown family {family!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    malloc.keep_freed_memory()
-    from jaxport.compile_time import keep_compiled_programs  # imports jax: not before the restart above
+    from jaxport.runtime import host_memory
+
+    host_memory.tune_process(training=(family, rest[0] if rest else None) in TRAINING_ACTIONS)
+    from jaxport.compile_time import keep_compiled_programs
 
     keep_compiled_programs()
     # orbax reports (even its failed background saves) through absl's logger; jaxport says what matters in

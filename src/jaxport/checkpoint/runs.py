@@ -10,6 +10,7 @@ older step is used; a step that is readable but does not fit the model is an err
 
 import contextlib
 import logging
+import os
 import re
 import sys
 import warnings
@@ -48,27 +49,42 @@ def _shape_mismatch(saved, abstract, partial: bool = False) -> str | None:
     return None
 
 
+def _from_orbax(exc: BaseException | None) -> bool:
+    """`exc` was raised in orbax's code: its traceback passes through one of orbax's files."""
+    tb = exc.__traceback__ if exc is not None else None
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _quiet_orbax_leftovers() -> None:
-    """A save that fails (a full disk) leaves orbax's other writes in flight. They fail too, after the failure
-    was already reported in one line, and Python would print each as a traceback: a completion callback that
-    finds orbax's event loop closed (an unraisable exception), a task or future whose exception nobody retrieves
-    (logged by asyncio when it is collected) and a coroutine never awaited (a RuntimeWarning at exit). Only orbax's
-    own leftovers are silenced."""
+    """Work orbax leaves in flight after a failure it raised, which would print tracebacks after jaxport has reported
+    the failure in one line. A failed save (a full disk) leaves writes that fail too: a completion callback that finds
+    orbax's event loop closed (an unraisable exception), a task or future whose exception nobody retrieves (logged by
+    asyncio when it is collected) and a coroutine never awaited (a RuntimeWarning at exit). A failed read (a truncated
+    array file) leaves the other reads in flight: their gathered futures' exceptions, and their coroutines, closed once
+    orbax's event loop is gone, which turn the closing into orbax's "Encountered error while reading array index"
+    (an unraisable exception). Only orbax's own leftovers are silenced."""
     previous = sys.unraisablehook
-    if getattr(previous, "ignores_closed_loops", False):
+    if getattr(previous, "ignores_orbax_leftovers", False):
         return
 
     def hook(unraisable):
-        exc = unraisable.exc_value
-        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        exc, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+        loop_closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+        orbax_coroutine = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        if not (loop_closed or orbax_coroutine or _from_orbax(exc)):
             previous(unraisable)
 
-    hook.ignores_closed_loops = True
+    hook.ignores_orbax_leftovers = True
     sys.unraisablehook = hook
 
     def keep(record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not ("exception was never retrieved" in message and "orbax" in message)
+        if "exception was never retrieved" not in record.getMessage():
+            return True
+        return not ("orbax" in record.getMessage() or (record.exc_info and _from_orbax(record.exc_info[1])))
 
     logging.getLogger("asyncio").addFilter(keep)
     warnings.filterwarnings("ignore", message="coroutine 'async_serialize", category=RuntimeWarning)

@@ -11,6 +11,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxport.errors import JaxportError
+
 # logical dimension -> mesh axis (or tuple of axes); absent means replicated.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
@@ -38,6 +40,20 @@ def make_mesh(data: int = -1, fsdp: int = 1, model: int = 1, devices=None) -> Me
             f"mesh (data={sizes[0]}, fsdp={sizes[1]}, model={sizes[2]}) does not cover {len(devices)} devices"
         )
     return Mesh(np.asarray(devices).reshape(sizes), ("data", "fsdp", "model"))
+
+
+def parse_mesh(spec: str | None, devices=None) -> Mesh | None:
+    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over `devices` (default: every device; None without a spec)."""
+    if not spec:
+        return None
+    try:
+        data, fsdp, model = (int(v) for v in spec.split(","))
+        return make_mesh(data=data, fsdp=fsdp, model=model, devices=devices)
+    except ValueError as err:
+        count = jax.device_count() if devices is None else len(devices)
+        raise JaxportError(
+            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {count} devices ({err})"
+        ) from None
 
 
 def logical_sharding(mesh: Mesh, *logical_axes: str | None, shape: tuple | None = None) -> NamedSharding:

@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxport.errors import JaxportError
 
 
 def _mesh(spec: str | None):
-    from jaxport.dream.params import parse_mesh
+    from jaxport.distributed import parse_mesh
 
     return parse_mesh(spec)
 
@@ -52,6 +53,16 @@ def _add_fast(p: argparse.ArgumentParser):
     )
 
 
+def _add_compile_for(p: argparse.ArgumentParser, what: str):
+    p.add_argument(
+        "--compile-for",
+        default=None,
+        metavar="SLICE",
+        help=f"compile {what} for a Cloud TPU slice (v2-8, v4-8, v5e-8, v5p-64, ...) on this machine and report its "
+        f"memory per device, FLOPs, collectives and a roofline time, reading no weights (needs jaxport[tpu])",
+    )
+
+
 def _fast_args(args) -> dict:
     """The fast-decoding flags given (block-wise decoding when any is)."""
     names = ("block_length", "cache", "threshold", "schedule")
@@ -64,6 +75,13 @@ def _settings(args, steps: int, **row) -> dict:
 
     settings = GenerationSettings.of(steps=steps, alg=args.alg, **row, **_fast_args(args))
     return settings.check(args.max_new_tokens).arguments()
+
+
+def _generation_args(args) -> dict:
+    """`diffusion_generate`'s arguments from `jaxport dream generate`'s flags, validated before any model is loaded."""
+    steps = args.max_new_tokens if args.steps is None else args.steps  # --steps 0 is an error, not the default
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
+    return dict(max_new_tokens=args.max_new_tokens, **_settings(args, steps, eps=args.eps, **sampling))
 
 
 def _read_prompts(args) -> list:
@@ -94,10 +112,11 @@ def generate(args) -> int:
     from jaxport import dream
     from jaxport.dream.text import prompt_text
 
+    if args.compile_for:
+        return _compile_generate(args)
     prompts = _read_prompts(args)
-    steps = args.max_new_tokens if args.steps is None else args.steps  # --steps 0 is an error, not the default
-    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
-    settings = _settings(args, steps, eps=args.eps, **sampling)
+    generation = _generation_args(args)
+    steps = generation["steps"]
     mesh = _mesh(args.mesh)
     start = time.perf_counter()
     model, tokenizer = dream.load(args.model, dtype=args.dtype, mesh=mesh)
@@ -136,10 +155,9 @@ def generate(args) -> int:
         out = model.diffusion_generate(
             input_ids,
             attention_mask,
-            max_new_tokens=args.max_new_tokens,
             rng=jax.random.key(args.seed + first),
             progress=progress,
-            **settings,
+            **generation,
         )
         sequences = jax.device_get(out.sequences)
         if not args.watch and state.get("step") != steps:  # block-wise: blocks may end before their last step
@@ -153,7 +171,7 @@ def generate(args) -> int:
 
 def bench(args) -> int:
     from jaxport import dream
-    from jaxport.dream import bench as bench_lib
+    from jaxport.dream import throughput
 
     mesh = _mesh(args.mesh)
     if args.random_init:
@@ -164,7 +182,7 @@ def bench(args) -> int:
         raise JaxportError("give --model DIR or --random-init SIZE (7b, 40m, tiny)")
     batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
     steps = args.max_new_tokens if args.steps is None else args.steps
-    result = bench_lib.run(
+    result = throughput.run(
         model,
         prompt_len=args.prompt_len,
         new_tokens=args.max_new_tokens,
@@ -214,39 +232,206 @@ def serve(args) -> int:
         fast=tuple((name, value) for name, value in _fast_args(args).items() if value is not None),
         programs=tuple(_program(text) for text in args.program),
         compile_on_demand=args.compile_on_demand,
+        batching=args.batching,
     )
+    if args.compile_for:
+        return _compile_serve(args, settings)
     mesh = _mesh(args.mesh)
     start = time.perf_counter()
     if args.random_init:
-        # The size's layers with the directory's vocabulary ids: a tokenizer for a benchmark model.
-        tokens = dream.DreamConfig.from_model_dir(args.model)
-        config = dream.preset(args.random_init)
-        if tokens.vocab_size > config.vocab_size:
-            raise JaxportError(
-                f"--random-init {args.random_init}: its {config.vocab_size}-token vocabulary cannot "
-                f"hold the {tokens.vocab_size} tokens of {args.model}"
-            )
-        config = dataclasses.replace(
-            config,
-            **{
-                name: getattr(tokens, name)
-                for name in ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id")
-            },
-        )
+        config, tokenizer = _serve_config(args)
         model = dream.random_model(config, dtype=args.dtype, mesh=mesh, seed=args.seed)
-        tokenizer = dream.DreamTokenizer.from_model_dir(args.model, config)
     else:
         model, tokenizer = dream.load(args.model, dtype=args.dtype, mesh=mesh)
     print(f"loaded {settings.model_name} ({args.dtype}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return run_server(model, tokenizer, settings, host=args.host, port=args.port, warmup=not args.no_warmup)
 
 
+def _serve_config(args):
+    """(model config, tokenizer) of `jaxport dream serve`: the directory's, or with --random-init the size's layers
+    with the directory's vocabulary ids (a tokenizer for a benchmark model)."""
+    from jaxport import dream
+
+    tokens = dream.DreamConfig.from_model_dir(args.model)
+    if not args.random_init:
+        return tokens, dream.DreamTokenizer.from_model_dir(args.model, tokens)
+    config = dream.preset(args.random_init)
+    if tokens.vocab_size > config.vocab_size:
+        raise JaxportError(
+            f"--random-init {args.random_init}: its {config.vocab_size}-token vocabulary cannot "
+            f"hold the {tokens.vocab_size} tokens of {args.model}"
+        )
+    ids = ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id")
+    config = dataclasses.replace(config, **{name: getattr(tokens, name) for name in ids})
+    return config, dream.DreamTokenizer.from_model_dir(args.model, config)
+
+
+# -- --compile-for: the programs a command compiles, for a TPU slice (jaxport.runtime.compile_for)
+
+
+class _AbstractCanvas:
+    """What `prepare_generation` reads of a model (its config) and where it puts the canvas: here shapes placed as
+    `DreamModel.place_batch` places arrays, since nothing can be put on a slice that is not here."""
+
+    def __init__(self, model):
+        self.config, self.mesh = model.config, model.mesh
+
+    def place_batch(self, *arrays):
+        from jaxport.dream.model import batch_sharding
+
+        return [
+            None
+            if a is None
+            else jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=batch_sharding(self.mesh, a.shape))
+            for a in arrays
+        ]
+
+
+def _compile_mesh(spec: str | None, devices):
+    """(the run's mesh over the slice's devices, the flag that sets it): `--mesh`, else one device, where the
+    commands put a model given no mesh."""
+    from jaxport.distributed import make_mesh, parse_mesh
+
+    if spec:
+        return parse_mesh(spec, devices), f"--mesh {spec}"
+    return make_mesh(devices=devices[:1]), "no --mesh: one device"
+
+
+def _mesh_refits(devices, spec: str | None, layouts: tuple[str, ...]):
+    """`--mesh` alternatives for a program that does not fit, in the order to prefer them: `layouts` are
+    DATA,FSDP,MODEL patterns over `n`, the slice's devices."""
+    n = len(devices)
+    for layout in layouts:
+        other = layout.format(n=n)
+        if other != spec:
+            yield f"--mesh {other}", other
+
+
+def _generation_program(model, tokenizer, texts: list[str], prompt_len: int, title: str, flag: str, **generation):
+    """The decoding program `diffusion_generate` compiles for these prompts (a full batch) and settings."""
+    from jaxport.dream.decoding import decoding_target
+    from jaxport.dream.program import prepare_generation
+    from jaxport.runtime.compile_for import Program
+
+    input_ids, attention_mask = tokenizer(texts, pad_to=prompt_len)
+    # the rows' keys and sampling settings are placed as the canvas is, by `_AbstractCanvas.place_batch`
+    prepared = prepare_generation(_AbstractCanvas(model), input_ids, attention_mask, **generation)
+    program, arguments = decoding_target(model, prepared)
+    return Program(title, program, arguments, model.mesh, flag)
+
+
+def _decoding_name(settings: dict) -> str:
+    fast = {k: v for k, v in settings.items() if k in ("block_length", "cache", "threshold") and v is not None}
+    return "block-wise decoding (" + ", ".join(f"{k} {v}" for k, v in fast.items()) + ")" if fast else "exact decoding"
+
+
+def _compile_generate(args) -> int:
+    """`jaxport dream generate ... --compile-for SLICE`: the generation program of a full --batch-size batch of the
+    prompts, compiled for a TPU slice and reported; the folder's config.json and tokenizer only."""
+    from jaxport import dream
+    from jaxport.dream.params import placed_abstract_model
+    from jaxport.dream.text import prompt_text
+    from jaxport.runtime.compile_for import compile_for
+
+    config = dream.DreamConfig.from_model_dir(args.model)
+    tokenizer = dream.DreamTokenizer.from_model_dir(args.model, config)
+    texts = [prompt_text(tokenizer, item, args.chat, args.system) for item in _read_prompts(args)]
+    prompt_len = max(len(tokenizer.encode(t)) for t in texts)
+    rows = (texts * args.batch_size)[: args.batch_size]  # a full batch, as the first batch of enough prompts
+    steps = args.max_new_tokens if args.steps is None else args.steps
+    generation = _generation_args(args)
+
+    def build(devices, spec=args.mesh):
+        mesh, flag = _compile_mesh(spec, devices)
+        model = placed_abstract_model(config, args.dtype, mesh)
+        title = (
+            f"jaxport dream generate: {_decoding_name(generation)} of {args.batch_size} row(s), prompt {prompt_len} + "
+            f"{args.max_new_tokens} new tokens in {steps} steps, {args.dtype} weights"
+        )
+        if mesh.devices.size == 1:  # with the command's progress callback, a host call after each step
+            return [_generation_program(model, tokenizer, rows, prompt_len, title, flag, **generation, progress=print)]
+        program = _generation_program(model, tokenizer, rows, prompt_len, title, flag, **generation)
+        program.notes.append(
+            "compiled without the command's progress callback: JAX refuses its ordered host callback on several "
+            "devices, and the command itself stops there (jaxport.dream.generate, ordered=True)"
+        )
+        return [program]
+
+    def refits(devices):
+        for flag, spec in _mesh_refits(devices, args.mesh, ("1,1,{n}", "1,{n},1")):
+            yield flag, lambda spec=spec: build(devices, spec)
+
+    compile_for(args.compile_for, build, refits)
+    return 0
+
+
+def _compile_serve(args, settings) -> int:
+    """`jaxport dream serve ... --compile-for SLICE`: the programs the server compiles at start-up (each warm-up
+    setting at the largest batch, the most memory) compiled for a TPU slice and reported."""
+    from jaxport.dream.params import placed_abstract_model
+    from jaxport.dream.scheduler import batch_buckets
+    from jaxport.runtime.compile_for import compile_for
+
+    config, tokenizer = _serve_config(args)
+    rows = batch_buckets(settings.max_batch)[-1]
+
+    def build(devices, spec=args.mesh):
+        mesh, flag = _compile_mesh(spec, devices)
+        model = placed_abstract_model(config, args.dtype, mesh)
+        programs = []
+        for key in settings.warmup_keys():
+            generation = dict(key.settings, max_new_tokens=key.new_tokens)
+            title = (
+                f"jaxport dream serve: {_decoding_name(generation)} of {rows} row(s), prompt bucket {key.prompt_len} "
+                f"+ {key.new_tokens} new tokens ({key.describe()}), {args.dtype} weights"
+            )
+            programs.append(
+                _generation_program(model, tokenizer, ["Hello"] * rows, key.prompt_len, title, flag, **generation)
+            )
+        return programs
+
+    def refits(devices):
+        for flag, spec in _mesh_refits(devices, args.mesh, ("1,1,{n}", "1,{n},1")):
+            yield flag, lambda spec=spec: build(devices, spec)
+
+    compile_for(args.compile_for, build, refits)
+    return 0
+
+
+def _compile_train(cfg, slice_name: str) -> int:
+    """`jaxport dream train ... --compile-for SLICE`: the run's training step compiled for a TPU slice and reported."""
+    from jaxport.dream import train as train_lib
+    from jaxport.runtime.compile_for import Program, compile_for
+
+    def build(devices, spec=cfg.mesh):
+        run = dataclasses.replace(cfg, mesh=spec)
+        step, arguments, mesh = train_lib.compile_target(run, devices)
+        params = sum(x.size for x in jax.tree.leaves(arguments[0].params))
+        title = (
+            f"jaxport dream train: one step of a {params / 1e9:.3g}B-parameter Dream ({cfg.model or cfg.config}), "
+            f"{cfg.grad_accum} micro-batch(es) of {cfg.batch_size} x {cfg.seq_len} tokens, "
+            f"{train_lib.compute_dtype(run, mesh).name} compute, float32 weights and AdamW moments"
+        )
+        return [Program(title, step, arguments, mesh, f"--mesh {spec}" if spec else "no --mesh: data-parallel")]
+
+    def refits(devices):  # FSDP over every device first, then some of it as tensor parallelism
+        n = len(devices)
+        layouts = [f"1,{n},1"] + [f"1,{n // m},{m}" for m in (2, 4, 8) if n % m == 0 and n > m]
+        for flag, spec in _mesh_refits(devices, cfg.mesh, tuple(layouts)):
+            yield flag, lambda spec=spec: build(devices, spec)
+
+    compile_for(slice_name, build, refits)
+    return 0
+
+
 def train(args) -> int:
     from jaxport.distributed import initialize
     from jaxport.dream import train as train_lib
 
-    initialize(args.coordinator, args.num_processes, args.process_id)
     options = {k: v for k, v in vars(args).items() if k in train_lib.TrainConfig.__dataclass_fields__}
+    if getattr(args, "compile_for", None):
+        return _compile_train(train_lib.make_config(**options), args.compile_for)
+    initialize(args.coordinator, args.num_processes, args.process_id)
     result = train_lib.train(**options)
     print(json.dumps(result))
     return 0
@@ -304,6 +489,7 @@ def _add_train(actions):
     tr.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0")
     tr.add_argument("--num-processes", type=int, default=None)
     tr.add_argument("--process-id", type=int, default=None)
+    _add_compile_for(tr, "the run's training step")
     tr.set_defaults(run=train)
 
     exp = actions.add_parser(
@@ -353,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--eps", type=float, default=1e-3)
     gen.add_argument("--batch-size", type=int, default=1)
     gen.add_argument("--watch", action="store_true", help="print the canvas after every step (masks as _)")
+    _add_compile_for(gen, "the generation program of a full --batch-size batch")
     gen.set_defaults(run=generate)
 
     ben = actions.add_parser("bench", help="forward and generation throughput, printed as JSON")
@@ -414,7 +601,15 @@ def main(argv: list[str] | None = None) -> int:
         help="compile programs outside the start-up set for the requests that ask for them, keeping at most N "
         "(least recently used evicted; default 0: such requests get HTTP 400)",
     )
+    srv.add_argument(
+        "--batching",
+        default="static",
+        choices=("static", "continuous"),
+        help="static: a batch runs to the end of its longest row; continuous: block-wise requests with the dual "
+        "cache join and leave a running batch at block boundaries (the others keep static batching)",
+    )
     _add_fast(srv)  # defaults for requests that do not set them
+    _add_compile_for(srv, "the programs the server compiles at start-up")
     srv.set_defaults(run=serve)
 
     _add_train(actions)

@@ -1,9 +1,9 @@
 """Masked-diffusion generation on token ids (upstream `DreamGenerationMixin.diffusion_generate`): the exact path
 (`jaxport.dream.exact`) or block-wise fast decoding (`jaxport.dream.fast`), chosen by the settings."""
 
-from jaxport.dream.exact import run_exact
-from jaxport.dream.fast import blocks_output, run_blocks
-from jaxport.dream.program import prepare_generation
+from jaxport.dream.exact import exact_target, run_exact
+from jaxport.dream.fast import block_target, blocks_output, run_blocks
+from jaxport.dream.program import Prepared, prepare_generation
 
 
 def diffusion_generate(
@@ -50,3 +50,9 @@ def diffusion_generate(
     else:
         output = run_exact(model, prepared, programs)
     return output if return_dict_in_generate else output.sequences
+
+
+def decoding_target(model, prepared: Prepared) -> tuple:
+    """`(jitted program, arguments)` of what `diffusion_generate` runs on a prepared generation: the exact path's
+    whole loop, or block-wise the first block's steps (`--compile-for` compiles it for a TPU slice)."""
+    return block_target(model, prepared) if prepared.program.blockwise else exact_target(model, prepared)

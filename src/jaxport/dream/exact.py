@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxport.dream.program import GenerationOutput, JitPrograms, Prepared, Program, padding_inputs, record
+from jaxport.dream.program import (
+    GenerationOutput,
+    JitPrograms,
+    Prepared,
+    Program,
+    decoding_program,
+    padding_inputs,
+    record,
+)
 from jaxport.dream.sampling import Rows, masked_scores, sample_tokens, transfer_ratios, unmask
 
 
@@ -75,6 +83,13 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Pro
 
     records = program.empty_records(settings.steps, B, N, model.dtype)
     return jax.lax.fori_loop(0, settings.steps, body, (x_BN, records))
+
+
+def exact_target(model, prepared: Prepared) -> tuple:
+    """`(jitted program, arguments)` of the exact path's whole loop (also what `--compile-for` compiles)."""
+    program = decoding_program(exact_loop, model, prepared.x_BN, static_argnames=("graphdef", "program"))
+    p = prepared
+    return program, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.program)
 
 
 def run_exact(model, prepared: Prepared, programs=None) -> GenerationOutput:

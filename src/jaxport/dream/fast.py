@@ -53,6 +53,7 @@ from jaxport.dream.program import (
     JitPrograms,
     Prepared,
     Program,
+    decoding_program,
     padding_inputs,
     prepare_generation,
     record,
@@ -217,6 +218,16 @@ def run_block(programs, prepared: Prepared, x_BN, block, refresh: bool = False):
     if program.settings.cache == "prefix":  # the window shape depends on the block: one program per block index
         return programs(_block, {**static, "block": int(block)}, *args)
     return programs(_block, static, *args, np.int32(block) if np.ndim(block) == 0 else block)
+
+
+def block_target(model, prepared: Prepared, index: int = 0, refresh: bool = False) -> tuple:
+    """`(jitted program, arguments)` of block `index` as `run_blocks` runs it (also what `--compile-for` compiles)."""
+    program = prepared.program
+    # the prefix cache's window shape depends on the block, so that path compiles per block index
+    static = ("graphdef", "program", "refresh") + (("block",) if program.settings.cache == "prefix" else ())
+    compiled = decoding_program(_block, model, prepared.x_BN, static_argnames=static)
+    p = prepared
+    return compiled, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, index, program, refresh)
 
 
 def run_blocks(model, prepared: Prepared, programs=None) -> Iterator[FinishedBlock]:

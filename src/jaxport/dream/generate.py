@@ -17,7 +17,6 @@ from jaxport.dream import sampling, text
 from jaxport.dream.decoding import diffusion_generate
 from jaxport.dream.program import (
     GenerationOutput,
-    decoding_compiler_options,
     decoding_program,
     padding_inputs,
     prepare_generation,
@@ -61,7 +60,6 @@ __all__ = [
     "CACHES",
     "GenerationOutput",
     "bucket_sizes",
-    "decoding_compiler_options",
     "decoding_program",
     "diffusion_generate",
     "masked_scores",

@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
-from jaxport.distributed.mesh import logical_sharding, make_mesh
+# parse_mesh is jaxport.distributed.parse_mesh; importable from here for one more release
+from jaxport.distributed.mesh import logical_sharding, parse_mesh  # noqa: F401
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.model import DreamModel
 from jaxport.dtypes import float_dtype
@@ -68,19 +69,6 @@ def param_sharding(mesh: Mesh | None, name: str, shape: tuple) -> jax.sharding.S
     return logical_sharding(mesh, *logical_axes(name), shape=shape)
 
 
-def parse_mesh(spec: str | None) -> Mesh | None:
-    """`--mesh DATA,FSDP,MODEL` sizes -> a mesh over every device (None without a spec)."""
-    if not spec:
-        return None
-    try:
-        data, fsdp, model = (int(v) for v in spec.split(","))
-        return make_mesh(data=data, fsdp=fsdp, model=model)
-    except ValueError as err:
-        raise JaxportError(
-            f"--mesh {spec!r}: expected DATA,FSDP,MODEL sizes covering {jax.device_count()} devices ({err})"
-        ) from None
-
-
 def open_safetensors(path: Path):
     """`safe_open` with numpy arrays (bfloat16 included); an unreadable file is one error naming it."""
     try:
@@ -122,6 +110,17 @@ def abstract_model(cfg: DreamConfig, dtype, mesh: Mesh | None) -> DreamModel:
     """The model's structure with shape-only parameters: nothing is allocated until loading."""
     model = nnx.eval_shape(lambda: DreamModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     model.mesh = mesh
+    return model
+
+
+def placed_abstract_model(cfg: DreamConfig, dtype, mesh: Mesh) -> DreamModel:
+    """The model `load_model` builds on `mesh`, its weights as shapes with the shardings they would have there:
+    nothing read or allocated (a program compiled ahead of time takes it)."""
+    dtype = resolve_dtype(dtype)
+    model = abstract_model(cfg, dtype, mesh)
+    for name, var in _variables(model):
+        shape = tuple(var.get_value().shape)
+        var.set_value(jax.ShapeDtypeStruct(shape, dtype, sharding=param_sharding(mesh, name, shape)))
     return model
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxport.compile_time import compiler_options, jit_with_options
+from jaxport import runtime
 from jaxport.dream.sampling import Rows
 from jaxport.dream.settings import GenerationSettings, ProgramSettings
 from jaxport.errors import JaxportError
@@ -232,16 +232,11 @@ def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:
     return rng
 
 
-def decoding_compiler_options(model, x_BN) -> dict | None:
-    """The compiler options for decoding the canvas `x_BN` on its devices (see `compile_time.compiler_options`)."""
-    devices = x_BN.sharding.device_set
-    return compiler_options(x_BN.size // len(devices), model.dtype, next(iter(devices)).platform)
-
-
 def decoding_program(function, model, x_BN, **jit_kwargs):
-    """`function` jitted with `decoding_compiler_options`: every Dream decoding loop is compiled here. jax.jit over
-    (graphdef, state) rather than nnx.jit: nnx.jit's state bookkeeping costs more than a small forward."""
-    return jit_with_options(function, decoding_compiler_options(model, x_BN), **jit_kwargs)
+    """`function` jitted under the runtime of a program decoding the canvas `x_BN` on its devices
+    (`runtime.for_tokens`): every Dream decoding loop is compiled here. jax.jit over (graphdef, state) rather than
+    nnx.jit: nnx.jit's state bookkeeping costs more than a small forward."""
+    return runtime.jit_once(function, runtime.for_tokens(x_BN, model.dtype), **jit_kwargs)
 
 
 class JitPrograms:

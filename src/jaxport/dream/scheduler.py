@@ -21,6 +21,10 @@ text, alone or in any batch (tested). Without a seed a request gets a fresh key.
 are the same bit for bit whatever the other rows hold (tested); another batch size may run other kernels, which
 can move the last bits of a score and so, rarely, break a near-tie differently. A prompt that holds the mask token
 runs alone (its masks would change the other rows' unmask counts, and where the first mask is shapes the program).
+
+Static batching runs a batch to the end of its longest row. With `batching="continuous"`, requests decoded block-wise
+with the dual cache run in a `RunningBatch` of their `Lane` instead (`jaxport.dream.engine`): rows join and leave at
+block boundaries, each at its own block, and each request's text is still its text alone.
 """
 
 import bisect
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxport.dream.engine import Lane, RunningBatch
 from jaxport.dream.fast import generate_blocks
 from jaxport.dream.program import decoding_program
 from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
@@ -167,6 +172,8 @@ class Job:
     first_block: float | None = None
     batch_requests: int = 0  # how many requests shared its batch
     steps: int = 0  # denoising steps its batch ran
+    lane: Lane | None = None  # where continuous batching may run it
+    rows_left: int = 0  # rows still in a running batch (continuous batching)
 
     def keys(self) -> jax.Array:
         """Its rows' random keys: row i draws from `fold_in(key(seed), i)`, as `diffusion_generate` does."""
@@ -256,9 +263,22 @@ def generate_canvases(
 class Scheduler:
     """A bounded queue of `Job`s and the worker thread that runs them in batches of equal `BatchKey`."""
 
-    def __init__(self, model, tokenizer: DreamTokenizer, *, max_batch: int, max_queue: int, on_demand: int = 0):
+    def __init__(
+        self,
+        model,
+        tokenizer: DreamTokenizer,
+        *,
+        max_batch: int,
+        max_queue: int,
+        on_demand: int = 0,
+        batching: str = "static",
+        lane_tokens: int | None = None,
+        max_context: int | None = None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
+        # continuous batching: rows of block-wise dual-cache programs share a canvas of `lane_tokens` new tokens
+        self.batching, self.lane_tokens, self.max_context = batching, lane_tokens, max_context
         self.batch_sizes = batch_buckets(max_batch)
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -298,6 +318,7 @@ class Scheduler:
                     f"retry after {retry_after} s",
                     retry_after,
                 )
+            job.lane = self._lane(job.key)
             self._waiting.append(job)
             self._cond.notify()
 
@@ -327,6 +348,7 @@ class Scheduler:
             "compiled_programs": len(self.programs),
             "compilations": self.stats["compilations"],
             "compilations_on_demand": self.stats["compilations on demand"],
+            "block_calls": self.stats["block calls"],  # of running batches (continuous batching)
             "batch_requests": {str(k): v for k, v in sorted(self.batch_requests.items())},
             "batch_rows": {str(k): v for k, v in sorted(self.batch_rows.items())},
         }
@@ -343,10 +365,31 @@ class Scheduler:
         self._thread.join()
 
     # -- the worker ----------------------------------------------------------------------------
+    def _lane(self, key: BatchKey) -> Lane | None:
+        """Where continuous batching runs requests of `key` (None: static batching)."""
+        if self.batching != "continuous" or key.alone is not None:
+            return None
+        if self.max_context is not None and key.prompt_len + self.lane_tokens > self.max_context:
+            return None
+        return Lane.of(key.prompt_len, self.lane_tokens, key.new_tokens, key.settings)
+
+    def lanes(self, keys: list[BatchKey]) -> set[Lane]:
+        """The lanes continuous batching runs `keys` in (none under static batching)."""
+        return {self._lane(key) for key in keys} - {None}
+
     def warmup(self, keys: list[BatchKey], prompt: str = "Hello"):
         """Compile every batch size for each key, before serving: the start-up set of programs."""
-        self.start_up |= {key.program for key in keys}
+        self.start_up |= {key.program for key in keys} | self.lanes(keys)
+        for lane in self.lanes(keys):
+            self._describe = f"at start-up: {self._lane_name(lane)}"
+            self.programs.pinning = True
+            batch = self._running_batch(lane)
+            ids, valid = self.tokenizer([prompt], pad_to=lane.prompt_len)
+            batch.join(None, ids[0], valid[0], lane.settings.block_length, RowSettings(), jax.random.key(0))
+            batch.run()
         for key in keys:
+            if self.lanes([key]):
+                continue  # served by its lane
             for size in self.batch_sizes:
                 rows = [(prompt, RowSettings(), jax.random.key(0))] * size
                 for _ in self._generate(key, rows, when="at start-up"):
@@ -359,8 +402,80 @@ class Scheduler:
                     self._cond.wait()
                 if not self._waiting:
                     return
-                jobs = self._take()
-            self._run(jobs)
+                lane = self._waiting[0].lane
+                jobs = [] if lane is not None else self._take()
+            if lane is not None:
+                self._run_lane(lane)
+            else:
+                self._run(jobs)
+
+    def _lane_name(self, lane: Lane) -> str:
+        return f"running batch {self.max_batch}, {BatchKey(lane.prompt_len, lane.new_tokens, lane.settings).describe()}"
+
+    def _running_batch(self, lane: Lane) -> RunningBatch:
+        return RunningBatch(
+            self.model, lane, self.max_batch, self.programs, self.tokenizer.pad_token_id, self.tokenizer.mask_token_id
+        )
+
+    def _run_lane(self, lane: Lane):
+        """Continuous batching in `lane` (`jaxport.dream.engine`): at every block boundary finished rows leave and
+        waiting rows of the lane take their slots, until no row runs. Rows of another lane wait for this one to
+        drain once one of them is the oldest waiting."""
+        batch = self._running_batch(lane)
+        self.programs.pinning = lane in self.start_up
+        self._describe = f"on first use: {self._lane_name(lane)}"
+        slots: dict[int, tuple[Job, int, RowText]] = {}
+        while True:
+            with self._cond:
+                for job in list(self._waiting):
+                    if job.lane != lane or len(job.prompts) > batch.free:
+                        break
+                    self._waiting.remove(job)
+                    self._join(batch, slots, job)
+                    job.batch_requests = len({job for job, _, _ in slots.values()})
+                self.running_rows, self.batch_size = batch.running, batch.size
+            if not slots:
+                self.running_rows = self.batch_size = 0
+                return
+            try:
+                _, steps = batch.run()
+            except Exception as err:  # the running rows fail, the server goes on
+                if not isinstance(err, JaxportError):
+                    traceback.print_exc()
+                for job in {job for job, _, _ in slots.values()}:
+                    self.stats["errors"] += 1
+                    job.post("error", err)
+                self.running_rows = self.batch_size = 0
+                return
+            now = time.perf_counter()
+            self.stats["block calls"] += 1
+            for job in {job for job, _, _ in slots.values()}:
+                job.first_block, job.steps = job.first_block or now, job.steps + steps
+            for b, (job, index, text) in list(slots.items()):
+                final = batch.done(b)
+                delta = text.update(batch.span(b), final)
+                if delta and not job.cancelled:
+                    job.post("delta", (index, delta))
+                if text.finish_reason is not None or final or job.cancelled:
+                    batch.leave(b)
+                    del slots[b]
+                    job.rows_left -= 1
+                    if job.rows_left == 0:
+                        self._end(job)
+
+    def _join(self, batch: RunningBatch, slots: dict, job: Job):
+        job.started, job.rows_left = time.perf_counter(), len(job.prompts)
+        ids, valid = self.tokenizer(job.prompts, pad_to=job.lane.prompt_len)
+        for i, (text, key) in enumerate(zip(job.texts, job.keys(), strict=True)):
+            b = batch.join(job, ids[i], valid[i], job.key.new_tokens, job.row, key)
+            slots[b] = (job, i, text)
+
+    def _end(self, job: Job):
+        """A job whose rows all left a running batch."""
+        self.stats.update(requests=1, rows=len(job.prompts), generated_tokens=sum(t.tokens for t in job.texts))
+        self.finished(job)
+        if not job.cancelled:
+            job.post("done", None)
 
     def _take(self) -> list[Job]:
         """The oldest job and the later ones with its key, as many as fit in `max_batch` rows."""

@@ -83,6 +83,7 @@ class ServeSettings:
     # more program-shaping combinations compiled at start-up, each a tuple of (name, value) pairs over the defaults
     programs: tuple = ()
     compile_on_demand: int = 0  # programs outside the start-up set compiled for requests, least recently used evicted
+    batching: str = "static"  # or "continuous": block-wise dual-cache requests join a running batch between blocks
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_context", "default_max_tokens"):
@@ -103,6 +104,8 @@ class ServeSettings:
             )
         if self.alg not in ALGORITHMS:
             raise JaxportError(f"--alg {self.alg!r}: choose one of {', '.join(ALGORITHMS)}")
+        if self.batching not in ("static", "continuous"):
+            raise JaxportError(f"--batching {self.batching!r}: choose static or continuous")
         if self.compile_on_demand < 0:
             raise JaxportError(f"--compile-on-demand must be at least 0, got {self.compile_on_demand}")
         for new_tokens in self.max_tokens_buckets:
@@ -345,6 +348,9 @@ class DreamServer:
             max_batch=settings.max_batch,
             max_queue=settings.max_queue,
             on_demand=settings.compile_on_demand,
+            batching=settings.batching,
+            lane_tokens=settings.max_tokens_buckets[-1],
+            max_context=settings.max_context,
         )
         self.metrics = ServerMetrics(self.scheduler)
         self.created = int(time.time())
@@ -576,7 +582,8 @@ class CountResponses:
 def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     """The FastAPI app; its scheduler (`app.state.server.scheduler`) runs while the app's lifespan does."""
     server = DreamServer(model, tokenizer, settings)
-    server.scheduler.start_up |= {key.program for key in settings.warmup_keys()}  # compiled now or on first use
+    keys = settings.warmup_keys()
+    server.scheduler.start_up |= {key.program for key in keys} | server.scheduler.lanes(keys)  # now or on first use
 
     async def lifespan(app):
         server.scheduler.start()

@@ -159,11 +159,6 @@ class GenerationSettings(ProgramSettings, RowSettings):
         given = lambda name: any(v not in (None, "jaxport") for v in self.each(name))  # noqa: E731
         return any(given(name) for name in BLOCKWISE)
 
-    def each(self, name: str) -> tuple:
-        """The values of one field, as a tuple (see `RowSettings.each`)."""
-        value = getattr(self, name)
-        return value if isinstance(value, tuple) else (value,)
-
     @property
     def program(self) -> ProgramSettings:
         return ProgramSettings(**{name: getattr(self, name) for name in ProgramSettings.model_fields})

@@ -24,18 +24,26 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxport import malloc
+from jaxport import runtime
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.distributed import fetch_replicated, make_mesh, shard_batch
+from jaxport.distributed import fetch_replicated, logical_sharding, make_mesh, parse_mesh, shard_batch
 from jaxport.dream import tasks
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.config import preset as model_preset
 from jaxport.dream.data import Batches, Rows, load_rows
 from jaxport.dream.decoding import diffusion_generate
-from jaxport.dream.params import abstract_model, load_model, parse_mesh, random_model, resolve_dtype, save_pretrained
+from jaxport.dream.params import (
+    abstract_model,
+    load_model,
+    placed_abstract_model,
+    random_model,
+    resolve_dtype,
+    save_pretrained,
+)
 from jaxport.dream.tokenizer import DreamTokenizer, copy_tokenizer_files, special_token_ids, train_tokenizer
 from jaxport.errors import JaxportError
 from jaxport.nn import softmax_cross_entropy
+from jaxport.training.optimizers import moment_shardings
 from jaxport.training.run import Run, run_checkpoints
 
 
@@ -205,14 +213,17 @@ def initial_state(params, tx, mesh) -> TrainState:
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, opt_state=opt_state)
 
 
-def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shardings):
-    """`step(state, batch [accum, B, L] arrays, key) -> (state, metrics)`, jitted with the state donated."""
+def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shardings, step_runtime):
+    """`step(state, batch [accum, B, L] arrays, key) -> (state, metrics)`, jitted under `step_runtime` with the
+    state donated."""
 
     def loss_fn(params, batch, key):
         model = nnx.merge(compute_graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         return diffusion_loss(model, batch, key, eps)
 
-    @functools.partial(jax.jit, donate_argnums=0, out_shardings=(state_shardings, None))
+    @functools.partial(
+        runtime.jit_training_step, runtime=step_runtime, donate_argnums=0, out_shardings=(state_shardings, None)
+    )
     def step(state: TrainState, batches: dict, key):
         accum = batches["input_ids"].shape[0]
 
@@ -256,6 +267,59 @@ def config_and_tokenizer(cfg: TrainConfig) -> tuple[DreamConfig, DreamTokenizer,
             model_preset(cfg.config), **special_token_ids(tokenizer_dir), torch_dtype="float32"
         )
     return config, DreamTokenizer.from_model_dir(tokenizer_dir, config), tokenizer_dir
+
+
+def training_mesh(cfg: TrainConfig, devices=None):
+    """The run's mesh over `devices` (default: every device): `--mesh`, else data-parallel; the sizes checked."""
+    mesh = parse_mesh(cfg.mesh, devices) or make_mesh(data=-1, devices=devices)
+    rows_per_device = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.batch_size % rows_per_device:
+        raise JaxportError(
+            f"--batch-size {cfg.batch_size} is not divisible by the {rows_per_device} devices of "
+            f"the mesh's data and fsdp axes"
+        )
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "save_every"):
+        if getattr(cfg, name) < 1:
+            raise JaxportError(f"{name}={getattr(cfg, name)} must be at least 1")
+    return mesh
+
+
+def compile_target(cfg: TrainConfig, devices) -> tuple:
+    """`(step, abstract arguments, mesh)`: the step a run of `cfg` compiles on `devices`, with shapes and shardings in
+    place of the weights, AdamW moments and batches (`jaxport dream train --compile-for`): `--model`'s config.json
+    or `--config`'s size, and the tokenizer's special ids; no weights or data read."""
+    from jaxport.runtime.compile_for import abstract
+
+    mesh = training_mesh(cfg, devices)
+    config, _, _ = config_and_tokenizer(cfg)
+    dtype = compute_dtype(cfg, mesh)
+    _, params = nnx.split(placed_abstract_model(config, "float32", mesh))
+    compute_graphdef, _ = nnx.split(abstract_model(config, dtype, mesh))
+    tx, _ = optimizer(cfg)
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = abstract(opt_state, moment_shardings(tx, opt_state, jax.tree.map(lambda x: x.sharding, params), mesh))
+    step_number = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    state = TrainState(step=step_number, params=params, opt_state=opt_state)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = make_train_step(compute_graphdef, tx, dtype, cfg.eps, shardings, training_runtime(cfg, mesh))
+    shape = (cfg.grad_accum, cfg.batch_size, cfg.seq_len)
+    rows = logical_sharding(mesh, None, "batch", None)  # as shard_batch places [accum, B, L] micro-batches
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+        "attention_mask": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+        "response_mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=rows),
+    }
+    key = abstract(jax.eval_shape(lambda: jax.random.key(0)), replicated)
+    return step, (state, batch, key), mesh
+
+
+def training_runtime(cfg: TrainConfig, mesh) -> runtime.Runtime:
+    """The runtime the step compiles under: the mesh's devices, the rows each one's products have."""
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    return runtime.for_devices(mesh).for_program(
+        compute_dtype(cfg, mesh), cfg.batch_size // batch_devices * cfg.seq_len
+    )
 
 
 def compute_dtype(cfg: TrainConfig, mesh):
@@ -311,16 +375,7 @@ def train(preset: str | None = None, **options) -> dict:
         cfg = PRESETS[cfg.preset][1](cfg)
     if cfg.data is None:
         raise JaxportError("give the training data: --data FILE (a text file or JSONL)")
-    mesh = parse_mesh(cfg.mesh) or make_mesh(data=-1)  # default: data-parallel over every device
-    rows_per_device = mesh.shape["data"] * mesh.shape["fsdp"]
-    if cfg.batch_size % rows_per_device:
-        raise JaxportError(
-            f"--batch-size {cfg.batch_size} is not divisible by the {rows_per_device} devices of "
-            f"the mesh's data and fsdp axes"
-        )
-    for name in ("steps", "batch_size", "grad_accum", "log_every", "save_every"):
-        if getattr(cfg, name) < 1:
-            raise JaxportError(f"{name}={getattr(cfg, name)} must be at least 1")
+    mesh = training_mesh(cfg)
     config, tokenizer, tokenizer_dir = config_and_tokenizer(cfg)
     rows = load_rows(cfg.data, tokenizer, seq_len=cfg.seq_len, response_len=cfg.response_len, chat=cfg.chat)
     dtype = compute_dtype(cfg, mesh)
@@ -335,7 +390,9 @@ def train(preset: str | None = None, **options) -> dict:
     compute_graphdef, _ = nnx.split(abstract_model(model.config, dtype, mesh))
     tx, schedule = optimizer(cfg)
     state = initial_state(params, tx, mesh)
-    train_step = make_train_step(compute_graphdef, tx, dtype, cfg.eps, jax.tree.map(lambda x: x.sharding, state))
+    train_step = make_train_step(
+        compute_graphdef, tx, dtype, cfg.eps, jax.tree.map(lambda x: x.sharding, state), training_runtime(cfg, mesh)
+    )
 
     process, processes = jax.process_index(), jax.process_count()
     local_rows = cfg.batch_size // processes  # each process feeds its own rows of every micro-batch
@@ -372,7 +429,6 @@ def train(preset: str | None = None, **options) -> dict:
             index = batches.next().reshape(cfg.grad_accum, cfg.batch_size)
             index = index[:, process * local_rows : (process + 1) * local_rows]
             args = (state, shard_batch(rows.take(index), mesh, batch_dim=-2), jax.random.fold_in(base_key, step))
-            malloc.reuse_memory_before_first_call(train_step, *args)
             state, metrics = train_step(*args)
             loss = float(fetch_replicated(metrics["loss"]))
             run.check_finite(step, loss)

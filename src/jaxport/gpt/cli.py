@@ -16,7 +16,9 @@ actions:
                       (HF datasets, or --input corpus) or text (--input FILE)
   train [CONFIG] [--key=value ...]
                       nanoGPT's train.py: CONFIG is a preset (train_shakespeare_char, train_gpt2,
-                      finetune_shakespeare, eval_gpt2, ...) or a nanoGPT config file
+                      finetune_shakespeare, eval_gpt2, ...) or a nanoGPT config file;
+                      --compile-for SLICE compiles the run's iteration for a Cloud TPU slice
+                      (v5e-8, v5p-64, ...) on this machine and reports memory, FLOPs and collectives
   sample [--key=value ...]
                       nanoGPT's sample.py (--out_dir, --start, --num_samples, --max_new_tokens,
                       --temperature, --top_k, --seed, --init_from=resume|gpt2*)
@@ -65,11 +67,65 @@ def train_main(argv: list[str]) -> int:
 
     defaults = {**train.DEFAULTS, **train.EXTRA, "progress": sys.stderr.isatty()}
     if any(a in ("-h", "--help") for a in argv):
-        print(_flags_help("usage: jaxport gpt train [CONFIG ...] [--key=value ...]\n\nflags and defaults:", defaults))
+        usage = (
+            "usage: jaxport gpt train [CONFIG ...] [--key=value ...] [--compile-for SLICE]\n\n--compile-for SLICE "
+            "compiles the run's iteration for a Cloud TPU slice (v5e-8, v5p-64, ...) on this machine and reports\n"
+            "its memory per device, FLOPs, collectives and a roofline step time (needs jaxport[tpu]).\n\n"
+            "flags and defaults:"
+        )
+        print(_flags_help(usage, defaults))
         return 0
     from jaxport.distributed import initialize_from_argv
+    from jaxport.runtime.compile_for import take_flag
 
-    train.train(configure(initialize_from_argv(argv), defaults))
+    slice_name, argv = take_flag(argv)
+    cfg = configure(initialize_from_argv(argv), defaults)
+    if slice_name:
+        return compile_train(cfg, slice_name)
+    train.train(cfg)
+    return 0
+
+
+def compile_train(cfg: dict, slice_name: str) -> int:
+    """`jaxport gpt train ... --compile-for SLICE`: the run's iteration compiled for a TPU slice, reported; no
+    weights or data read (the dataset's meta.pkl, if there is one, gives the vocabulary)."""
+    import jax
+
+    from jaxport.gpt import train
+    from jaxport.gpt.data import load_meta
+    from jaxport.runtime.compile_for import Program, compile_for
+
+    meta = load_meta(train.data_folder(cfg) / "meta.pkl")
+    vocab = int(meta["vocab_size"]) if meta else None
+
+    def build(devices, fsdp=cfg["fsdp"], batch=cfg["batch_size"]):
+        run = {**cfg, "fsdp": fsdp, "batch_size": batch}
+        run["gradient_accumulation_steps"] = cfg["gradient_accumulation_steps"] * cfg["batch_size"] // batch
+        step, args, mesh = train.compile_target(run, devices, vocab)
+        accum = train.micro_steps(run, len(devices))
+        params = sum(x.size for x in jax.tree.leaves(args[0]))
+        title = (
+            f"jaxport gpt train: one iteration of a {params / 1e6:.0f}M-parameter GPT ({cfg['init_from']}), "
+            f"{accum} micro-step(s) of {batch} x {cfg['block_size']} tokens per device, "
+            f"--dtype={cfg['dtype']}"
+        )
+        return [Program(title, step, args, mesh, f"--fsdp={fsdp}")]
+
+    def refits(devices):
+        """The fewest and the most FSDP ways other than the run's, then the same tokens per iteration in smaller
+        micro-batches (nanoGPT's batch_size halved, the accumulation steps doubled)."""
+        widths = [f for f in range(1, len(devices) + 1) if len(devices) % f == 0 and f != cfg["fsdp"]]
+        for fsdp in dict.fromkeys(widths[:1] + widths[-1:]):
+            yield f"--fsdp={fsdp}", lambda fsdp=fsdp: build(devices, fsdp)
+        batch, accum = cfg["batch_size"] // 2, cfg["gradient_accumulation_steps"] * 2
+        while batch >= 1 and cfg["batch_size"] % batch == 0:
+            yield (
+                f"--batch_size={batch} --gradient_accumulation_steps={accum}",
+                lambda batch=batch: build(devices, cfg["fsdp"], batch),
+            )
+            batch, accum = batch // 2, accum * 2
+
+    compile_for(slice_name, build, refits)
     return 0
 
 

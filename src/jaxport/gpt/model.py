@@ -20,37 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxport.compile_time import LARGE_MATMUL_ROWS
+from jaxport import runtime
 from jaxport.errors import JaxportError
 from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
 from jaxport.nn import Linear, add_positions, dot_product_attention, dropout, gelu, label_entries
 from jaxport.nn.chunks import in_row_chunks
 
-# Dense bf16 peak FLOP/s per chip, matched against `jax.Device.device_kind` (first match wins).
-PEAK_FLOPS = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("TPU v6 lite", 918e12),
-    ("TPU v6e", 918e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 459e12),
-    ("TPU v4", 275e12),
-)
 A100_BF16_PEAK = 312e12  # the figure nanoGPT's estimate_mfu divides by
-
-
-def device_peak_flops(device=None) -> tuple[float | None, str]:
-    """(peak bf16 FLOP/s or None when unknown, device kind) of `device` (default: the first device)."""
-    kind = (device or jax.devices()[0]).device_kind
-    for name, peak in PEAK_FLOPS:
-        if name.lower() in kind.lower():
-            return peak, kind
-    return None, kind
 
 
 class LayerNorm(nnx.Module):
@@ -123,14 +100,10 @@ class Block(nnx.Module):
 
 
 def _row_chunks(batch: int, length: int) -> int:
-    """Row chunks for the blocks without dropout (`nn.in_row_chunks`): two on a CPU whose devices hold fewer than
-    `LARGE_MATMUL_ROWS` tokens each, whose small products and elementwise ops otherwise run one after another on one
-    core (2026-11-25, 2-core AMX host: nanoGPT README's CPU config, 768 tokens, iteration 48-51 -> 44.5 ms, three
-    runs each; 3, 4 and 6 chunks 49.5, 45.1, 54.2 ms; train_shakespeare_char, 16384 tokens, level). Dropout
-    masks depend on a row's place in the whole batch, so a run with dropout keeps one chunk."""
-    devices = jax.device_count()
-    small = batch // devices * length < LARGE_MATMUL_ROWS
-    return 2 if jax.default_backend() == "cpu" and small and batch % (2 * devices) == 0 else 1
+    """Row chunks for the blocks without dropout (`nn.in_row_chunks`), as the program's runtime chooses for rows of
+    `length` tokens (`runtime.current()`: docs/performance.md, "Row chunks"). Dropout masks depend on a row's place in
+    the whole batch, so a run with dropout keeps one chunk."""
+    return runtime.current().row_chunks(batch, tokens_per_row=length)
 
 
 def cross_entropy(logits_BTV, targets_BT):
@@ -238,7 +211,7 @@ class GPT(nnx.Module):
 
     def estimate_mfu(self, fwdbwd_per_iter: int, dt: float, peak_flops: float = A100_BF16_PEAK) -> float:
         """Model FLOPs utilisation as nanoGPT computes it (PaLM appendix B), against
-        `peak_flops` (nanoGPT's A100 bf16 312 TFLOPS by default; see `device_peak_flops`)."""
+        `peak_flops` (nanoGPT's A100 bf16 312 TFLOPS by default; see `jaxport.runtime.topologies.device_peak_flops`)."""
         return estimate_mfu(self.get_num_params(), self.config, fwdbwd_per_iter, dt, peak_flops)
 
     # -- generation ------------------------------------------------------------------------

@@ -30,17 +30,27 @@ import pydantic
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxport import malloc
+from jaxport import runtime
 from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.compile_time import compiler_options
-from jaxport.distributed import fetch_replicated, gather_to_host, make_mesh, replicate, shard_batch, tree_shardings
+from jaxport.distributed import (
+    fetch_replicated,
+    gather_to_host,
+    logical_sharding,
+    make_mesh,
+    replicate,
+    shard_batch,
+    tree_shardings,
+)
 from jaxport.dtypes import float_dtype
 from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
 from jaxport.gpt.config import GPTConfig
 from jaxport.gpt.data import Batches, load_meta
-from jaxport.gpt.model import GPT, Checkpoint, device_peak_flops, estimate_mfu, load_checkpoint
+from jaxport.gpt.model import GPT, Checkpoint, estimate_mfu, load_checkpoint
+from jaxport.runtime.compile_for import abstract
+from jaxport.runtime.topologies import device_peak_flops
+from jaxport.training.optimizers import moment_shardings
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
 from jaxport.typed_config import validate
 
@@ -170,6 +180,20 @@ def adamw(weight_decay: float, beta1: float, beta2: float, eps: float = 1e-8):
     )
 
 
+def scratch_config(cfg: dict, vocab_size: int | None) -> GPTConfig:
+    """train.py's model_args for init_from=scratch: the flags' sizes, the dataset's vocabulary (GPT-2's padded
+    50304 without a meta.pkl)."""
+    return GPTConfig(
+        n_layer=cfg["n_layer"],
+        n_head=cfg["n_head"],
+        n_embd=cfg["n_embd"],
+        block_size=cfg["block_size"],
+        bias=cfg["bias"],
+        dropout=cfg["dropout"],
+        vocab_size=vocab_size if vocab_size is not None else 50304,
+    )
+
+
 def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = None) -> tuple[GPT, Checkpoint | None]:
     """train.py's init_from: a new model, the run's ckpt.pt (returned too), or GPT-2 weights. With
     `model_args` (a jaxport run's own checkpoint, restored afterwards) a model of that size."""
@@ -177,16 +201,7 @@ def initial_model(cfg: dict, vocab_size: int | None, model_args: dict | None = N
     if model_args is not None:
         model = GPT.init(GPTConfig(**{**model_args, "dropout": cfg["dropout"]}), seed=cfg["seed"])
     elif init_from == "scratch":
-        model_args = dict(
-            n_layer=cfg["n_layer"],
-            n_head=cfg["n_head"],
-            n_embd=cfg["n_embd"],
-            block_size=cfg["block_size"],
-            bias=cfg["bias"],
-            dropout=cfg["dropout"],
-            vocab_size=vocab_size if vocab_size is not None else 50304,
-        )
-        model = GPT.init(GPTConfig(**model_args), seed=cfg["seed"])
+        model = GPT.init(scratch_config(cfg, vocab_size), seed=cfg["seed"])
     elif init_from == "resume":  # the architecture comes from the checkpoint, dropout from the flags
         ckpt = load_checkpoint(Path(cfg["out_dir"]) / "ckpt.pt", dropout=cfg["dropout"])
         model = ckpt.model
@@ -254,22 +269,13 @@ class Trainer:
                 nu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in nu.items()}),
             )
             self.opt_state = self.opt_state._replace(inner_state=(adam, *self.opt_state.inner_state[1:]))
-        # the AdamW moments are sharded as their parameters, everything else is replicated
-        replicated = NamedSharding(self.mesh, PartitionSpec())
         self.opt_state = jax.device_put(
-            self.opt_state,
-            optax.tree_map_params(
-                self.optimizer,
-                lambda _, sharding: sharding,
-                self.opt_state,
-                param_shardings,
-                transform_non_params=lambda _: replicated,
-            ),
+            self.opt_state, moment_shardings(self.optimizer, self.opt_state, param_shardings, self.mesh)
         )
         self.loss_scale = replicate(self.loss_scale, self.mesh)
         state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
         # batch_size is per device (nanoGPT's DDP rule)
-        self.compiler_options = compiler_options(cfg["batch_size"] * cfg["block_size"], self.dtype, devices[0].platform)
+        self.runtime = runtime.for_devices(self.mesh).for_program(self.dtype, cfg["batch_size"] * cfg["block_size"])
         self._step = _make_train_step(
             self.graphdef,
             self.optimizer,
@@ -277,10 +283,15 @@ class Trainer:
             cfg["dropout"] > 0,
             state_shardings,
             loss_scaling=self.dtype == jnp.float16,
-            compiler_options=self.compiler_options,
+            step_runtime=self.runtime,
             seed=cfg["seed"],
         )
-        self._eval = _make_eval_step(self.graphdef, self.compiler_options)
+        self._eval = _make_eval_step(self.graphdef, self.runtime)
+
+    @property
+    def compiler_options(self) -> dict | None:
+        """The XLA options the step and the evaluation compile with (`runtime`)."""
+        return self.runtime.compiler_options
 
     @property
     def model(self) -> GPT:
@@ -316,7 +327,6 @@ class Trainer:
         (micro losses, grad norm) as device arrays (reading them waits for the step). The arguments go in as
         numpy values: an eager `jnp` conversion or key would wait for the step before it."""
         args = self.step_args(X, Y, lr, draw)
-        malloc.reuse_memory_before_first_call(self._step, *args)
         self.params, self.opt_state, self.loss_scale, losses, norm = self._step(*args)
         return losses, norm
 
@@ -363,17 +373,17 @@ class Trainer:
 
 
 def _make_train_step(
-    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, compiler_options, seed
+    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, step_runtime, seed
 ):
     def loss_fn(params, x, y, rng):
         return nnx.merge(graphdef, params).forward(x, y, rng if dropout else None)[1]
 
     # outputs keep the inputs' shardings, so the next call reuses this compilation
     @functools.partial(
-        jax.jit,
+        runtime.jit_training_step,
+        runtime=step_runtime,
         donate_argnums=(0, 1),
         out_shardings=(*state_shardings, None, None),
-        compiler_options=compiler_options,
     )
     def step(params, opt_state, loss_scale, X, Y, lr, draw):
         # the dropout key of iteration `draw`, made here: made on the host, it waited for the step before it
@@ -414,8 +424,8 @@ def _make_train_step(
     return step
 
 
-def _make_eval_step(graphdef, compiler_options):
-    @functools.partial(jax.jit, compiler_options=compiler_options)
+def _make_eval_step(graphdef, step_runtime):
+    @functools.partial(runtime.jit, runtime=step_runtime)
     def evaluate(params, X_NBT, Y_NBT):  # all N batches in one compiled call, one batch at a time
         model = nnx.merge(graphdef, params)
         return jax.lax.map(lambda xy: model.forward(*xy)[1], (X_NBT, Y_NBT))
@@ -424,6 +434,72 @@ def _make_eval_step(graphdef, compiler_options):
 
 
 # -- the training loop -------------------------------------------------------------------------
+
+
+def micro_steps(cfg: dict, world: int) -> int:
+    """Micro-batches each iteration scans over: nanoGPT's DDP rule, batch_size is per device and the accumulation
+    steps are shared out among the `world` devices."""
+    accum = cfg["gradient_accumulation_steps"]
+    if accum % world:
+        raise JaxportError(
+            f"gradient_accumulation_steps={accum} must be a multiple of the {world} devices "
+            f"(each device takes batch_size={cfg['batch_size']} per micro-step)"
+        )
+    return accum // world
+
+
+def compile_target(cfg: dict, devices, vocab_size: int | None = None) -> tuple:
+    """`(step, abstract arguments, mesh)`: the iteration `Trainer.step` runs for `cfg` on `devices`, with shapes and
+    shardings in place of weights and batches (`jaxport gpt train --compile-for`). The model comes from the flags'
+    sizes (init_from=scratch) or a GPT-2 name's."""
+    validate(FlagRanges, cfg, "the training config (flags and config files)", what="flag")
+    world, fsdp = len(devices), cfg.get("fsdp", 1)
+    accum = micro_steps(cfg, world)
+    if fsdp < 1 or world % fsdp:
+        raise JaxportError(f"--fsdp={fsdp} does not divide the {world} devices")
+    mesh = make_mesh(fsdp=fsdp, devices=devices)
+    dtype = compute_dtype(cfg["dtype"], devices[0].platform)
+    init_from = cfg["init_from"]
+    if init_from in gpt_params.GPT2_SIZES:  # GPT-2's own block (cropped as initial_model does), vocabulary, biases
+        config = GPTConfig(
+            **gpt_params.GPT2_SIZES[init_from], block_size=cfg["block_size"], vocab_size=50257, dropout=cfg["dropout"]
+        )
+    elif init_from == "scratch":
+        config = scratch_config(cfg, vocab_size)
+    else:
+        raise JaxportError(
+            f"--init_from={init_from}: --compile-for builds the model from its sizes; use --init_from=scratch with "
+            f"the run's --n_layer, --n_head, --n_embd, or a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl)"
+        )
+    model = GPT.abstract(config)
+    model.dtype = dtype
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    optimizer = adamw(cfg["weight_decay"], cfg["beta1"], cfg["beta2"])
+    opt_state = jax.eval_shape(optimizer.init, params)
+    param_shardings = tree_shardings(params, mesh, gpt_params.logical_axes)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state_shardings = (
+        param_shardings,
+        moment_shardings(optimizer, opt_state, param_shardings, mesh),
+        (replicated, replicated),
+    )
+    loss_scale = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+    state = abstract((params, opt_state, loss_scale), state_shardings)
+    rows = logical_sharding(mesh, None, "batch", None)  # as shard_batch places [accum, B, T] micro-batches
+    batch = jax.ShapeDtypeStruct((accum, cfg["batch_size"] * world, cfg["block_size"]), jnp.int32, sharding=rows)
+    step = _make_train_step(
+        graphdef,
+        optimizer,
+        cfg["grad_clip"],
+        cfg["dropout"] > 0,
+        state_shardings,
+        loss_scaling=dtype == jnp.float16,
+        step_runtime=runtime.for_devices(mesh).for_program(dtype, cfg["batch_size"] * cfg["block_size"]),
+        seed=cfg["seed"],
+    )
+    scalars = [jax.ShapeDtypeStruct((), t, sharding=replicated) for t in (jnp.float32, jnp.int32)]
+    return step, (*state, batch, batch, *scalars), mesh
 
 
 def data_folder(cfg: dict) -> Path:
@@ -511,14 +587,7 @@ def train(cfg: dict) -> dict:
     position, so `--init_from=resume` continues on exactly the batches an uninterrupted run sees."""
     validate(FlagRanges, cfg, "the training config (flags and config files)", what="flag")
     devices = select_devices(cfg["device"])
-    # nanoGPT's DDP rule: batch_size is per device and the accumulation steps are shared out
-    world, accum = len(devices), cfg["gradient_accumulation_steps"]
-    if accum % world:
-        raise JaxportError(
-            f"gradient_accumulation_steps={accum} must be a multiple of the {world} devices "
-            f"(each device takes batch_size={cfg['batch_size']} per micro-step)"
-        )
-    accum //= world
+    world, accum = len(devices), micro_steps(cfg, len(devices))
     data_dir = data_folder(cfg)
     local_rows = cfg["batch_size"] * world // jax.process_count()  # each process loads its own rows
     batches = Batches(data_dir, cfg["block_size"], local_rows, seed=cfg["seed"] + jax.process_index())

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxport import runtime
 from jaxport.nn.dropout import dropout
 from jaxport.nn.linear import Linear, row_major, row_major_transpose
 from jaxport.nn.rotary import apply_rotary
@@ -30,20 +31,24 @@ def dot_product_attention(
     with no allowed key returns zeros, as PyTorch's SDPA does for fully masked rows.
     With `dropout_rng`, the attention probabilities are dropped at `dropout_rate` (SDPA's
     `dropout_p`, i.e. training); without it there is no dropout.
+
+    The kernel is the runtime's choice (`runtime.current().attention`) where it applies: cuDNN's fused kernel,
+    causal self-attention in blocks of queries, or XLA's ops.
     """
     B, S, H, D = q_BSHD.shape
     T, K = k_BTKD.shape[1], k_BTKD.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    if mask is None and (dropout_rng is None or dropout_rate == 0.0) and (S == T or not causal):
-        fused = _fused_attention_on_gpu(q_BSHD, k_BTKD, v_BTKD, causal, scale)
+    implementation = runtime.current().attention
+    if implementation == "cudnn" and mask is None and (dropout_rng is None or dropout_rate == 0.0):
+        fused = _cudnn_attention(q_BSHD, k_BTKD, v_BTKD, causal, scale)
         if fused is not None:
             return fused
     if K != H:
         # Grouped KV heads: each KV head serves H // K consecutive query heads. Repeating them keeps
-        # the plain 4-D contraction, which XLA:CPU runs markedly faster than a 5-D grouped one.
+        # the plain 4-D contraction, which XLA:CPU runs faster than a 5-D grouped one.
         k_BTKD, v_BTKD = jnp.repeat(k_BTKD, H // K, axis=2), jnp.repeat(v_BTKD, H // K, axis=2)
-    on_cpu = jax.default_backend() == "cpu"
-    if causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK and on_cpu:
+    in_blocks = causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK
+    if implementation == "causal_blocks" and in_blocks:
         return _causal_attention_in_blocks(q_BSHD, k_BTKD, v_BTKD, scale, dropout_rate, dropout_rng)
     if not causal and mask is None and dropout_rng is None:
         heads_first = lambda x: _row_major_unless_f32(x.transpose(0, 2, 1, 3))  # noqa: E731
@@ -64,12 +69,12 @@ def dot_product_attention(
     return jnp.einsum("bhst,bthd->bshd", probs.astype(v_BTKD.dtype), v_BTKD)
 
 
-def _fused_attention_on_gpu(q_BSHD, k_BTKD, v_BTKD, causal: bool, scale: float):
-    """cuDNN's fused (flash) attention, the kernel PyTorch's SDPA runs on CUDA where it may: on a GPU, for 16-bit
-    operands whose head dim cuDNN takes (a multiple of 8, at most 128), without mask or dropout. None where it does
-    not apply or this cuDNN refuses the shape, and XLA's ops compute the attention instead."""
-    D = q_BSHD.shape[-1]
-    if jax.default_backend() != "gpu" or q_BSHD.dtype not in (jnp.bfloat16, jnp.float16) or D % 8 or D > 128:
+def _cudnn_attention(q_BSHD, k_BTKD, v_BTKD, causal: bool, scale: float):
+    """cuDNN's fused (flash) attention, the kernel PyTorch's SDPA runs on CUDA where it may: for 16-bit operands
+    whose head dim cuDNN takes (a multiple of 8, at most 128), causal only over as many keys as queries. None where it
+    does not apply or this cuDNN refuses the shape, and XLA's ops compute the attention instead."""
+    S, D = q_BSHD.shape[1], q_BSHD.shape[-1]
+    if (causal and S != k_BTKD.shape[1]) or q_BSHD.dtype not in (jnp.bfloat16, jnp.float16) or D % 8 or D > 128:
         return None
     try:
         return jax.nn.dot_product_attention(
@@ -93,16 +98,15 @@ def _full_attention(q_BHSD, k_BHTD, v_BHTD, scale: float):
     dtype for the product with `v` and the float32 result divided by their sums; in the backward pass, the float32
     `dS` rounded to the dtype for the `dQ`/`dK` products and the probabilities for `dV`. Every product has operands
     of one dtype, accumulates in float32, and is one plain batched GEMM of row-major operands, which XLA:CPU runs
-    without widening bfloat16 to float32 (see `row_major`). On 4 x 8 heads x 97 positions of bfloat16 against
-    torch 2.13's SDPA, this differs from PyTorch's output on 9% of the values (one ulp) and on 25% of `dQ`, where the
-    plain formula (normalised probabilities rounded, `dS` in float32 as autodiff computes it) differed on 48% and
-    42%. In float32 the only change from the plain formula is the order of the division (float rounding)."""
+    without widening bfloat16 to float32 (see `row_major`). In bfloat16 this is closer to PyTorch's output and `dQ`
+    than the plain formula (docs/performance.md, "Attention on the CPU"); in float32 the only change from the plain
+    formula is the order of the division (float rounding)."""
     return _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale)[0]
 
 
 def _row_major_unless_f32(x):
     """Heads-first operands written out row-major where XLA:CPU would otherwise widen a reduced-precision product to
-    float32; float32 products take any layout, and the copy made the float32 TRM step ~3% slower."""
+    float32; float32 products take any layout, and there the copy only costs time."""
     return x if x.dtype == jnp.float32 else row_major(x)
 
 
@@ -117,8 +121,8 @@ def _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale):
 def _heads_dot_over_rows(a_BHSX, b_BHSY):
     """`aᵀ b` per head, `[B, H, X, Y]`, summed over the rows `S`. Float32 contracts over the rows in place; a
     reduced-precision `a` is first written out transposed and row-major (`row_major_transpose`), which keeps
-    the product in that precision on XLA:CPU. In float32 that copy only costs time (docs/performance.md, "Host
-    work around the README run's steps": the attention backward), and the result is the same bits."""
+    the product in that precision on XLA:CPU. In float32 that copy only costs time (docs/performance.md, "Operand
+    layouts"), and the result is the same bits."""
     if a_BHSX.dtype == jnp.float32:
         return _heads_dot(a_BHSX, b_BHSY, 2, 2)
     return _heads_dot(row_major_transpose(a_BHSX), b_BHSY, 3, 2)
@@ -146,11 +150,10 @@ CAUSAL_BLOCK = 64  # query rows per block of causal attention
 
 def _causal_attention_in_blocks(q_BSHD, k_BSHD, v_BSHD, scale, dropout_rate, dropout_rng):
     """Causal self-attention computed one block of `CAUSAL_BLOCK` queries at a time, each against the keys
-    up to its own end: key blocks that are entirely masked are never computed (37% fewer FLOPs at 256
-    positions) and each block's scores stay in cache, 1.7x faster forward+backward than the full
-    [S, S] product on XLA:CPU at nanoGPT's shakespeare_char size. The result is the full computation's
-    bit for bit (a masked score adds an exact 0 to the softmax), dropout included (see `dropout`). CPU only: that
-    is where the blocks were measured to pay; an accelerator gets one masked product, or the fused kernel above."""
+    up to its own end: key blocks that are entirely masked are never computed and each block's scores stay in
+    cache. The result is the full computation's bit for bit (a masked score adds an exact 0 to the softmax),
+    dropout included (see `dropout`). The runtime chooses it on a CPU (docs/performance.md, "Attention on the
+    CPU"); an accelerator gets one masked product, or cuDNN's fused kernel."""
     B, S, H, D = q_BSHD.shape
     outputs = []
     for start in range(0, S, CAUSAL_BLOCK):

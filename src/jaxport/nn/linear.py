@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxport import runtime
 from jaxport.nn.initializers import truncated_normal
 
 _CONTRACT_IN = (((1,), (1,)), ((), ()))
@@ -19,8 +20,8 @@ _CONTRACT_IN = (((1,), (1,)), ((), ()))
 def matmul_t_f32(x_2d: jax.Array, w: jax.Array) -> jax.Array:
     """`x @ w.T` for `x: [N, in]`, `w: [out, in]` of one dtype, accumulated and returned in float32, for the caller
     to round once to that dtype, as PyTorch's reduced-precision GEMMs do. The backward pass keeps the same
-    contract (low-precision operands, float32 accumulation), which XLA:CPU runs much faster than the mixed
-    float32 x bfloat16 dots plain autodiff would produce."""
+    contract (low-precision operands, float32 accumulation) where autodiff would produce mixed float32 x bfloat16
+    products, which XLA:CPU widens (docs/performance.md, "Operand layouts")."""
     return jax.lax.dot_general(x_2d, w, _CONTRACT_IN, preferred_element_type=jnp.float32)
 
 
@@ -36,20 +37,13 @@ def _matmul_t_bwd(residuals, g_2d):
 
 
 def _weight_gradient(x_2d, g_2d):
-    """`g^T x`, `[out, in]`, contracted over the rows, accumulated in float32.
-
-    Either way round, the product has the wider operand's dimension last, and a result `[in, out]` is
-    transposed (same bits; the barrier keeps XLA's simplifier from folding the transpose back into the
-    product). In float32, XLA:CPU runs the product over the rows 1.2-2.9x faster that way round ([1296, 64] x
-    [1296, 512] rows: 0.82 ms as [64, 512], 2.38 as [512, 64], one core). In bfloat16 (float16) XLA:CPU's
-    `operand_upcaster` widens any product over the rows to float32, a fifth of the bf16 rate (2026-11-25,
-    2-core AMX host: [1552, 512] x [1552, 3072] rows, 25 ms against 7), so the narrower operand is first
-    transposed into a row-major copy (cheap: the narrow one) and the product runs as `[narrow, rows] x [rows,
-    wide]`, bf16 operands and float32 accumulation as PyTorch's: 2.6-6x faster on TRM's weight gradients, the
-    sums in another order (float rounding). In float32 that copy costs more than it saves. All of this is about
-    XLA:CPU: elsewhere (cuBLAS, TPUs) a product takes either operand transposed, and the copies and barriers
-    would only add memory traffic and keep XLA from fusing, so there it is one product over the rows."""
-    if jax.default_backend() != "cpu":
+    """`g^T x`, `[out, in]`, contracted over the rows, accumulated in float32: one product over the rows, or, where
+    the runtime asks for row-major operands (XLA:CPU, docs/performance.md, "Operand layouts"), the orientation with
+    the wider operand's dimension last (a result `[in, out]` transposed behind a barrier, which keeps XLA's
+    simplifier from folding the transpose back into the product) and, in reduced precision, the narrower operand
+    first copied transposed and row-major, so that the product runs in that precision as `[narrow, rows] x [rows,
+    wide]` instead of being widened to float32. The sums run in another order (float rounding)."""
+    if not runtime.current().row_major_operands:
         return jax.lax.dot_general(g_2d, x_2d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
     def product(a_2d, b_2d):  # a^T b over the rows
@@ -64,11 +58,11 @@ def _weight_gradient(x_2d, g_2d):
 
 
 def row_major(a):
-    """`a` as a row-major array, on a CPU. XLA gives a transpose a permuted layout (a relabelling of the same
-    memory) and carries that layout through elementwise ops and barriers; flattened behind a barrier, a
-    transposed array must be written out. Only XLA:CPU widens a bfloat16 product of permuted operands to float32
-    (see `_weight_gradient`), so elsewhere `a` stays as it is, free to fuse."""
-    if jax.default_backend() != "cpu":
+    """`a` as a row-major array where the runtime asks for row-major operands (XLA:CPU, which widens a
+    reduced-precision product of permuted operands to float32: see `_weight_gradient`). XLA gives a transpose a
+    permuted layout (a relabelling of the same memory) and carries it through elementwise ops and barriers;
+    flattened behind a barrier, a transposed array must be written out. Elsewhere `a` stays as it is, free to fuse."""
+    if not runtime.current().row_major_operands:
         return a
     return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
 
@@ -151,8 +145,8 @@ class Linear(nnx.Module):
 def add_positions(x_BTC: jax.Array, pos_TC: jax.Array) -> jax.Array:
     """`x + pos`, the position embedding broadcast over the batch. The position gradient is the batch sum of
     `x`'s gradient, computed as a product with ones: as a sum, XLA:CPU fused the whole chain that produces
-    `x`'s gradient into it and ran that chain a second time, on one thread (2.2 ms of a 48 ms GPT
-    README-config step). The product adds the rows in another order (float rounding, not semantics)."""
+    `x`'s gradient into it and ran that chain a second time, on one thread (docs/performance.md, "Position
+    gradient"). The product adds the rows in another order (float rounding, not semantics)."""
     return x_BTC + pos_TC
 
 

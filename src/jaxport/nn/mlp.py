@@ -21,14 +21,14 @@ def swiglu_intermediate_size(hidden_size: int, expansion: float) -> int:
 def silu(x: jax.Array) -> jax.Array:
     """`x * sigmoid(x)` computed in float32 and rounded once to `x`'s dtype, forward and backward, as PyTorch's
     bfloat16/float16 kernels do. Applied to bfloat16 directly, XLA rounds after each of its steps, and the fusion
-    runs slower (2026-11-25): silu(gate) * up on [8192, 512] from a float32 [gate | up], 5.5 -> 3.3 ms."""
+    runs slower (docs/performance.md, "Activations in float32")."""
     return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
 
 def gelu(x: jax.Array) -> jax.Array:
     """Exact GELU as PyTorch's `nn.GELU()` computes it, `x/2 * (1 + erf(x/sqrt(2)))`, in float32 and rounded once
     to `x`'s dtype. `jax.nn.gelu(approximate=False)` goes through `erfc`, whose XLA:CPU expansion (two branches,
-    each with an `exp`) is the slower one (docs/performance.md, "Exact GELU")."""
+    each with an `exp`) is the slower one (docs/performance.md, "Activations in float32")."""
     x32 = x.astype(jnp.float32)
     return (0.5 * x32 * (1 + jax.lax.erf(x32 * (1 / math.sqrt(2))))).astype(x.dtype)
 

@@ -85,3 +85,14 @@ def sparse_sign_sgd_update(weights_ND: jax.Array, ids_B: jax.Array, grads_BD: ja
     rows_BD = weights_ND[ids_B].astype(jnp.float32)
     new_rows_BD = rows_BD * (1.0 - lr * weight_decay) - lr * jnp.sign(summed_BD)
     return weights_ND.at[ids_B].set(new_rows_BD.astype(weights_ND.dtype))
+
+
+def moment_shardings(optimizer: optax.GradientTransformation, opt_state, param_shardings, mesh):
+    """Shardings for `optimizer`'s state: every per-parameter leaf (moments) as its parameter, the rest (counts,
+    hyperparameters) replicated over `mesh`."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, opt_state, param_shardings, transform_non_params=lambda _: replicated
+    )

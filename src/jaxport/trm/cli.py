@@ -12,7 +12,9 @@ ACTIONS = """actions:
   demo                      build a small Sudoku set, train TRM on it on this machine, evaluate
   build sudoku|maze|arc     write a puzzle dataset in upstream's format (--help for options)
   train [key=value ...]     upstream pretrain.py overrides, e.g. arch=trm data_paths="[data/x]" lr=1e-4
-                            arch.L_layers=2 +run_name=NAME ema=True
+                            arch.L_layers=2 +run_name=NAME ema=True; --compile-for SLICE compiles the
+                            run's step for a Cloud TPU slice (v4-8, v4-64, ...) on this machine and
+                            reports its memory, FLOPs and collectives (needs jaxport[tpu])
   eval --run DIR            evaluate a run's latest checkpoint (or --checkpoint step_N --config all_config.yaml)
 """
 
@@ -45,12 +47,44 @@ def _build(argv):
 
 def _train(argv):
     from jaxport.distributed import initialize_from_argv
+    from jaxport.runtime.compile_for import take_flag
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import train
 
+    slice_name, argv = take_flag(argv)
     overrides = initialize_from_argv(argv)
+    if slice_name:
+        return _compile_train(load_run_config(overrides), slice_name)
     result = train(load_run_config(overrides))
     print(json.dumps(result, indent=1))
+    return 0
+
+
+def _compile_train(config, slice_name: str) -> int:
+    """`jaxport trm train ... --compile-for SLICE`: the run's train step compiled for a TPU slice and reported, from
+    the training set's dataset.json alone."""
+    from jaxport.distributed import make_mesh
+    from jaxport.runtime.compile_for import Program, compile_for
+    from jaxport.trm.train import compile_target
+
+    def build(devices, batch=config.global_batch_size):
+        mesh = make_mesh(data=-1, devices=devices)
+        step, args = compile_target(config.replace(global_batch_size=batch), mesh)
+        a = config.arch
+        title = (
+            f"jaxport trm train: one training step (TRM {'mlp_t' if a.mlp_t else 'attention'}, hidden {a.hidden_size}, "
+            f"L_layers {a.L_layers}, H_cycles {a.H_cycles} x L_cycles {a.L_cycles}, {a.forward_dtype}; "
+            f"global_batch_size {batch}, {batch // len(devices)} per device)"
+        )
+        return [Program(title, step, args, mesh, f"global_batch_size={batch}")]
+
+    def refits(devices):
+        batch = config.global_batch_size // 2
+        while batch >= len(devices) and batch % len(devices) == 0:
+            yield f"global_batch_size={batch}", lambda batch=batch: build(devices, batch)
+            batch //= 2
+
+    compile_for(slice_name, build, refits)
     return 0
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxport.compile_time import compiler_options, jit_with_options
+from jaxport import runtime
 from jaxport.errors import JaxportError
 from jaxport.nn import (
     Attention,
@@ -218,33 +218,26 @@ class TRM(nnx.Module):
         self.row_chunks = row_chunks
         self.deterministic = False  # nnx's train()/eval() flag: True in eval mode
 
-    def chunks_for(self, batch_size: int) -> int:
-        """Row chunks the recursion runs in: `row_chunks` if given, else two on a CPU whose devices
-        hold 16 or more rows each, one elsewhere. On this project's 2-core CPU two chunks made the
-        paper-size step 3-11% faster (bench/trm_step.py): XLA runs the independent chunks side by
-        side and their activations stay in cache. Each chunk compiles separately."""
+    def chunks_for(self, batch_size: int, step_runtime: runtime.Runtime | None = None) -> int:
+        """Row chunks the recursion runs in (`nn.in_row_chunks`): `row_chunks` if given, else what the runtime of the
+        program (`runtime.current()`) chooses for devices that hold 16 or more rows each. Each chunk compiles
+        separately."""
         if self.row_chunks is not None:
             if batch_size % self.row_chunks:
                 raise JaxportError(f"row_chunks={self.row_chunks} does not divide the batch of {batch_size} rows")
             return self.row_chunks
-        per_device = batch_size // jax.device_count()
-        cpu = jax.default_backend() == "cpu"
-        return 2 if cpu and per_device >= 16 and batch_size % (2 * jax.device_count()) == 0 else 1
+        return (step_runtime or runtime.current()).row_chunks(batch_size, min_rows_per_device=16)
 
-    def compiler_options(self, inputs_shape: tuple[int, int]) -> dict | None:
-        """XLA options for a program that runs this model on a batch of `inputs_shape` ([B, L]) across the devices (see
-        `compile_time.compiler_options`): its products have the rows of one chunk of one device's batch, puzzle
-        positions included. On a CPU, one YNNPACK fusion per product: XLA:CPU's default also pulls a product's
-        elementwise producers into its fusion (mlp_t's SwiGLU in bfloat16), where they run slower (2026-11-25, 2-core
-        AMX host, paper Sudoku arch, batch 32: bfloat16 steps 4.9 -> 4.3 s attention, 4.8 -> 4.5 mlp_t; float32 mlp_t
-        8.6 -> 7.8 s; the demo size level)."""
+    def runtime_for(self, inputs_shape: tuple[int, int], devices=None) -> runtime.Runtime:
+        """The runtime of a program that runs this model on a batch of `inputs_shape` ([B, L]) across `devices`
+        (default: the default devices): its products have the rows of one chunk of one device's batch, puzzle
+        positions included, and with mlp_t its norms reduce the sequence, the leading axis of the recursion's
+        layout (`TRMInner.__call__`)."""
+        devices_runtime = runtime.for_devices(devices)
         batch_size, length = inputs_shape
-        per_chunk = batch_size // jax.device_count() // self.chunks_for(batch_size)
+        per_chunk = batch_size // devices_runtime.devices // self.chunks_for(batch_size, devices_runtime)
         rows = per_chunk * (length + self.config.num_puzzle_positions)
-        # mlp_t normalises over the sequence, its layout's leading axis (TRMInner.__call__)
-        return compiler_options(
-            rows, self.config.forward_dtype, jax.default_backend(), plain_reductions=not self.config.mlp_t
-        )
+        return devices_runtime.for_program(self.config.forward_dtype, rows, reduces_leading_axis=self.config.mlp_t)
 
     @property
     def training(self) -> bool:
@@ -318,8 +311,11 @@ class TRM(nnx.Module):
     def __call__(self, carry: Carry, batch: dict):
         """`forward`, compiled; the halting RNG's new state is written back to the module."""
         batch = {k: jnp.asarray(batch[k]) for k in BATCH_KEYS}
-        forward = jit_with_options(_forward, self.compiler_options(batch["inputs"].shape), static_argnames="graphdef")
-        outputs, state = forward(*nnx.split(self), carry, batch)
+        graphdef, state = nnx.split(self)
+        forward = runtime.jit_once(
+            _forward, self.runtime_for(batch["inputs"].shape, runtime.devices_of(state)), static_argnames="graphdef"
+        )
+        outputs, state = forward(graphdef, state, carry, batch)
         nnx.update(self, state)
         return outputs
 

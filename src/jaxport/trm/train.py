@@ -18,17 +18,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxport import malloc
+from jaxport import runtime
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.checkpoint.torch_io import load_torch_file, save_torch_file
-from jaxport.distributed import fetch_replicated, local_rows, make_mesh, replicate, shard_batch, shard_leading
+from jaxport.distributed import (
+    fetch_replicated,
+    local_rows,
+    logical_sharding,
+    make_mesh,
+    replicate,
+    shard_batch,
+    shard_leading,
+)
 from jaxport.errors import JaxportError
 from jaxport.training import adam_atan2, compute_lr, ema_copy, ema_init, ema_update, sparse_sign_sgd_update
 from jaxport.training.run import Run, run_checkpoints
 from jaxport.trm import params as trm_params
 from jaxport.trm.config import RunConfig, TRMConfig
-from jaxport.trm.data import PuzzleDataset
+from jaxport.trm.data import PuzzleDataset, PuzzleDatasetMetadata
 from jaxport.trm.evaluate import evaluate, reduce_train_metrics
 from jaxport.trm.model import TRM, Buffer, Carry, loss_and_grad
 
@@ -90,14 +99,7 @@ class Trainer:
         for loader in filter(None, (self.train_loader, self.eval_loader)):
             loader.load()
         self.total_steps = int(config.epochs * meta.total_groups * meta.mean_puzzle_examples / self.gbs)
-        self.model_config = TRMConfig.from_arch(
-            config.arch.model_dump(),
-            source="the run config's arch",
-            vocab_size=meta.vocab_size,
-            seq_len=meta.seq_len,
-            num_puzzle_identifiers=meta.num_puzzle_identifiers,
-            batch_size=config.global_batch_size,
-        )
+        self.model_config = model_config(config, meta)
         self.run_dir = Path(config.checkpoint_path)
         self.model = TRM(self.model_config, rngs=nnx.Rngs(config.seed))
         if config.load_checkpoint:
@@ -105,14 +107,10 @@ class Trainer:
         self.model.train()
         self.graphdef, params, buffers, self.rest = nnx.split(self.model, nnx.Param, Buffer, ...)
         self.use_puzzle_emb = self.model_config.puzzle_emb_ndim > 0
-        self.tx = optax.inject_hyperparams(adam_atan2)(
-            learning_rate=config.lr, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay
-        )
+        self.tx = optimizer(config)
         self.evaluators = self._make_evaluators()
-        self._train_step = jax.jit(
-            self._step,
-            donate_argnums=0,
-            compiler_options=self.model.compiler_options((self.gbs, self.model_config.seq_len)),
+        self._train_step = runtime.jit_training_step(
+            self._step, self.model.runtime_for((self.gbs, self.model_config.seq_len), self.mesh), donate_argnums=0
         )
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
@@ -159,24 +157,24 @@ class Trainer:
             )
         return evaluators
 
-    def _init_state(self, params, buffers) -> TrainState:
-        meta = self.train_loader.metadata
-        global_shape = {
-            "inputs": (self.gbs, meta.seq_len),
-            "labels": (self.gbs, meta.seq_len),
-            "puzzle_identifiers": (self.gbs,),
-        }
+    def _fresh_state(self, params, buffers) -> TrainState:
+        """Step 0's state, on no particular device: fresh optimizer moments and EMA, every carry row halted."""
+        global_shape = {"inputs": (self.gbs, self.model_config.seq_len), "puzzle_identifiers": (self.gbs,)}
+        global_shape["labels"] = global_shape["inputs"]
         carry = self.model.initial_carry({k: np.zeros(s, np.int32) for k, s in global_shape.items()})
-        state = TrainState(
+        return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             buffers=buffers,
             opt_state=self.tx.init(params),
             ema=ema_init(params) if self.config.ema else None,
-            carry=None,
+            carry=carry,
         )
-        state = replicate(state, self.mesh)
-        return dataclasses.replace(state, carry=shard_leading(carry, self.mesh))
+
+    def _init_state(self, params, buffers) -> TrainState:
+        state = self._fresh_state(params, buffers)
+        placed = replicate(dataclasses.replace(state, carry=None), self.mesh)
+        return dataclasses.replace(placed, carry=shard_leading(state.carry, self.mesh))
 
     # ----- the step
 
@@ -225,7 +223,6 @@ class Trainer:
         puzzle_lr = compute_lr(config.puzzle_emb_lr, **lr_args)
         # numpy scalars: jnp.float32(lr) runs a conversion that waits for the step before it, as a key made here did
         args = (self.state, shard_batch(batch, self.mesh), np.float32(lr), np.float32(puzzle_lr))
-        malloc.reuse_memory_before_first_call(self._train_step, *args)
         self.state, outputs = self._train_step(*args)
         self.step = step
         self.pending.append((step, lr, outputs))
@@ -341,6 +338,72 @@ class Trainer:
             "run_dir": str(self.run_dir),
             "learning_curves": str(png) if png else None,
         }
+
+
+def model_config(config: RunConfig, meta: PuzzleDatasetMetadata) -> TRMConfig:
+    """The model's config: the run's arch with the training set's sizes."""
+    return TRMConfig.from_arch(
+        config.arch.model_dump(),
+        source="the run config's arch",
+        vocab_size=meta.vocab_size,
+        seq_len=meta.seq_len,
+        num_puzzle_identifiers=meta.num_puzzle_identifiers,
+        batch_size=config.global_batch_size,
+    )
+
+
+def optimizer(config: RunConfig) -> optax.GradientTransformation:
+    """Adam-atan2 on the dense weights, its learning rate set every step."""
+    return optax.inject_hyperparams(adam_atan2)(
+        learning_rate=config.lr, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay
+    )
+
+
+class StepBuilder(Trainer):
+    """The parts of a `Trainer` its step reads, from a config and the training set's metadata alone: no arrays
+    read, no run folder, the model's weights as shapes. `compile_target` compiles its (the trainer's) step."""
+
+    def __init__(self, config: RunConfig, mesh):
+        self.config, self.mesh, self.gbs = config, mesh, config.global_batch_size
+        if config.global_batch_size % mesh.devices.size:
+            raise JaxportError(
+                f"global_batch_size={config.global_batch_size} is not divisible by the {mesh.devices.size} devices; "
+                f"use a multiple of {mesh.devices.size}"
+            )
+        meta = PuzzleDataset(config.data_paths, "train", global_batch_size=self.gbs, test_set_mode=False).metadata
+        self.model_config = model_config(config, meta)
+        self.model = nnx.eval_shape(lambda: TRM(self.model_config, rngs=nnx.Rngs(config.seed)))
+        self.model.train()
+        self.graphdef, self.params, self.buffers, self.rest = nnx.split(self.model, nnx.Param, Buffer, ...)
+        self.use_puzzle_emb = self.model_config.puzzle_emb_ndim > 0
+        self.tx = optimizer(config)
+
+
+def compile_target(config: RunConfig, mesh) -> tuple:
+    """`(step, abstract arguments)`: the train step a run of `config` compiles on `mesh`, with shapes and shardings
+    in place of its state and batch, from the training set's `dataset.json` alone (`jaxport trm train
+    --compile-for`). Placed as `Trainer` places them: the state replicated, the ACT carry's and batch's rows split."""
+    from jaxport.runtime.compile_for import abstract
+
+    if not config.data_paths:
+        raise JaxportError("data_paths is empty: give the dataset folder(s), e.g. data_paths=[data/sudoku]")
+    parts = StepBuilder(config, mesh)
+    state = jax.eval_shape(parts._fresh_state, parts.params, parts.buffers)
+    rows = lambda x: logical_sharding(mesh, "batch", *[None] * (len(x.shape) - 1))  # noqa: E731
+    state = dataclasses.replace(
+        abstract(dataclasses.replace(state, carry=None), NamedSharding(mesh, PartitionSpec())),
+        carry=abstract(state.carry, jax.tree.map(rows, state.carry)),
+    )
+    seq_len = parts.model_config.seq_len
+    batch = {
+        "inputs": jax.ShapeDtypeStruct((parts.gbs, seq_len), jnp.int32),
+        "labels": jax.ShapeDtypeStruct((parts.gbs, seq_len), jnp.int32),
+        "puzzle_identifiers": jax.ShapeDtypeStruct((parts.gbs,), jnp.int32),
+    }
+    batch = abstract(batch, jax.tree.map(rows, batch))
+    rates = [jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))] * 2
+    step = runtime.jit(parts._step, parts.model.runtime_for((parts.gbs, seq_len), mesh), donate_argnums=0)
+    return step, (state, batch, *rates)
 
 
 def default_run_paths(config: RunConfig) -> RunConfig:

@@ -1,0 +1,30 @@
+"""Hardware policy in one place: how a compiled program runs on its devices (XLA options, operand layouts, the
+attention kernel, row chunks, host memory), decided from the devices, compute dtype and size of the program and
+applied where each program is jitted. Models and layers describe the math; they read the decisions from
+`current()` while a program is traced."""
+
+from jaxport.runtime import host_memory
+from jaxport.runtime.policy import (
+    Runtime,
+    current,
+    devices_of,
+    for_devices,
+    for_tokens,
+    jit,
+    jit_once,
+    jit_training_step,
+    use,
+)
+
+__all__ = [
+    "Runtime",
+    "current",
+    "devices_of",
+    "for_devices",
+    "for_tokens",
+    "host_memory",
+    "jit",
+    "jit_once",
+    "jit_training_step",
+    "use",
+]

@@ -1,0 +1,175 @@
+"""`Runtime`: what a compiled program does differently on its devices, decided once per program from the devices it
+runs on, its compute dtype and the rows of its matrix products (`for_devices`, `Runtime.for_program`), and applied
+where the program is jitted (`jit`): its XLA options go to the compiler, the rest to the layers, which read it from
+`current()` while the program is traced. docs/performance.md holds the measurements behind each decision."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxport.runtime import host_memory
+
+# Rows per device from which a float32 product runs faster through XLA:CPU's own dot emitter than as a YNNPACK fusion
+# and XLA's windowed long reductions beat plain ones (docs/performance.md, "XLA:CPU compiler options"); also the
+# tokens per device up to which transformer blocks pay for row chunks ("Row chunks").
+LARGE_MATMUL_ROWS = 8192
+YNN_FUSION_TYPES = "xla_cpu_experimental_ynn_fusion_type"
+INDIVIDUAL_DOTS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+PLAIN_REDUCTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
+ROW_CHUNKS = 2  # chunks of independent rows, which XLA:CPU runs side by side on the cores
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """The decisions for the programs of one set of devices (hashable: part of JAX's cache key while tracing).
+
+    - `attention`: "cudnn" tries cuDNN's fused kernel for 16-bit attention without mask or dropout (GPUs);
+      "causal_blocks" computes causal self-attention in blocks of queries (CPUs: "Attention on the CPU");
+      "xla" is one masked product.
+    - `row_major_operands`: reduced-precision operands that are transposed before a product are written out
+      row-major, and weight gradients take the orientation XLA:CPU runs faster (CPUs: "Operand layouts").
+    - `split_rows`: models compute independent rows in `row_chunks` chunks (CPUs: "Row chunks").
+    - `xla_options`: `jax.jit`'s compiler options as sorted items (`for_program`: "XLA:CPU compiler options").
+    """
+
+    platform: str = "cpu"
+    devices: int = 1
+    attention: str = "causal_blocks"
+    row_major_operands: bool = True
+    split_rows: bool = True
+    xla_options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def compiler_options(self) -> dict | None:
+        return dict(self.xla_options) or None
+
+    def for_program(self, dtype, rows: int, *, reduces_leading_axis: bool = False) -> "Runtime":
+        """This runtime with the XLA options for a program computing in `dtype` whose matrix products have `rows`
+        rows per device. `reduces_leading_axis`: its norms reduce the leading axis of their layout (TRM's
+        sequence-major mlp_t), which XLA:CPU's plain reductions run slowly."""
+        return dataclasses.replace(self, xla_options=_xla_options(self.platform, dtype, rows, reduces_leading_axis))
+
+    def row_chunks(self, batch: int, *, tokens_per_row: int | None = None, min_rows_per_device: int = 1) -> int:
+        """The chunks a model computes the independent rows of a `batch`-row batch in (`nn.in_row_chunks`):
+        `ROW_CHUNKS` where rows are split and each device's rows split evenly, else one. With `tokens_per_row`, only
+        while a device holds fewer than `LARGE_MATMUL_ROWS` tokens; with `min_rows_per_device`, from that many rows."""
+        per_device = batch // self.devices
+        if not self.split_rows or batch % (ROW_CHUNKS * self.devices) or per_device < min_rows_per_device:
+            return 1
+        if tokens_per_row is not None and per_device * tokens_per_row >= LARGE_MATMUL_ROWS:
+            return 1
+        return ROW_CHUNKS
+
+
+def _xla_options(platform: str, dtype, rows: int, reduces_leading_axis: bool) -> tuple:
+    """XLA's defaults off the CPU. On a CPU, one YNNPACK fusion per dot (XLA:CPU would otherwise fuse a dot's
+    producers and consumers into it, where they run slower) and plain reductions; from `LARGE_MATMUL_ROWS` rows on,
+    float32 dots leave YNNPACK and reductions keep XLA's windowed form."""
+    if platform != "cpu":
+        return ()
+    if rows >= LARGE_MATMUL_ROWS:
+        options = {YNN_FUSION_TYPES: "" if jnp.dtype(dtype) == jnp.float32 else INDIVIDUAL_DOTS}
+    else:
+        options = {YNN_FUSION_TYPES: INDIVIDUAL_DOTS, **({} if reduces_leading_axis else PLAIN_REDUCTIONS)}
+    return tuple(sorted(options.items()))
+
+
+def for_devices(devices=None) -> Runtime:
+    """The runtime of programs on `devices` (a Mesh or any collection of devices; default: the default device's
+    platform, all its devices), without XLA options (`Runtime.for_program` adds them)."""
+    devices = _device_list(devices)
+    platform = devices[0].platform
+    return Runtime(
+        platform=platform,
+        devices=len(devices),
+        attention={"cpu": "causal_blocks", "gpu": "cudnn"}.get(platform, "xla"),
+        row_major_operands=platform == "cpu",
+        split_rows=platform == "cpu",
+    )
+
+
+def for_tokens(x_BN, dtype) -> Runtime:
+    """The runtime of a program computing in `dtype` whose matrix products have a row per element of the token array
+    `x_BN` (a decoder's canvas), over the devices `x_BN` is on."""
+    devices_runtime = for_devices(devices_of(x_BN))
+    return devices_runtime.for_program(dtype, x_BN.size // devices_runtime.devices)
+
+
+def devices_of(tree):
+    """The devices of the first array in `tree` committed to devices (None where none is: JAX then computes on the
+    default devices)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and leaf.committed:
+            return leaf.sharding.device_set
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:  # a program compiled ahead of time
+            return leaf.sharding.device_set
+    return None
+
+
+def _device_list(devices) -> list:
+    if devices is None:
+        default = jax.config.jax_default_device
+        if default is None:
+            return jax.devices()
+        return jax.devices(default) if isinstance(default, str) else [default]
+    if isinstance(devices, jax.sharding.Mesh):
+        devices = devices.devices
+    return list(devices.flat) if isinstance(devices, np.ndarray) else list(devices)
+
+
+# The runtime of the program being traced; JAX keys its caches on it, so one function traced under two runtimes
+# compiles twice rather than reusing the first trace.
+_ACTIVE = jax.make_user_context(None)
+
+
+def current() -> Runtime:
+    """The runtime of the program being traced under `jit` or `use`; elsewhere, that of the default devices."""
+    return _ACTIVE.value or for_devices()
+
+
+def use(runtime: Runtime):
+    """`with use(runtime):` the layers called inside read `runtime` (`current`)."""
+    return _ACTIVE(runtime)
+
+
+def jit(function, runtime: Runtime, **jit_kwargs):
+    """`jax.jit(function, **jit_kwargs)`, compiled with `runtime`'s XLA options and traced under `runtime`."""
+
+    @functools.wraps(function)
+    def traced(*args, **kwargs):
+        with _ACTIVE(runtime):
+            return function(*args, **kwargs)
+
+    return jax.jit(traced, compiler_options=runtime.compiler_options, **jit_kwargs)
+
+
+@functools.cache
+def jit_once(function, runtime: Runtime, **jit_kwargs):
+    """`jit(function, runtime, ...)`, made once per distinct arguments: for a module-level function jitted where it is
+    called (a model's forward, a decoding program), so that JAX's cache of its compilations is kept."""
+    return jit(function, runtime, **jit_kwargs)
+
+
+def jit_training_step(function, runtime: Runtime, **jit_kwargs):
+    """`jit(function, runtime, ...)` for a training step, called again and again. In a process tuned for training
+    (`host_memory.tune_process`), its first call on a CPU compiles it ahead and has the heap keep the program's
+    temporaries between calls (`host_memory.keep_temporaries`); the call that follows does not compile again."""
+    return _TrainingStep(jit(function, runtime, **jit_kwargs), runtime.platform == "cpu")
+
+
+class _TrainingStep:
+    def __init__(self, jitted, on_cpu: bool):
+        self._jitted, self._size_memory = jitted, on_cpu
+
+    def __call__(self, *args):
+        if self._size_memory:
+            self._size_memory = False
+            if host_memory.tuned_for_training():
+                host_memory.keep_temporaries(self._jitted.lower(*args).compile())
+        return self._jitted(*args)
+
+    def __getattr__(self, name):  # lower, trace, eval_shape, ... of the jitted step
+        return getattr(self._jitted, name)

@@ -1,0 +1,282 @@
+"""`--compile-for SLICE`: each family's real step compiled for a small TPU slice on this CPU, through the real CLI,
+with a report whose numbers hold together (memory positive and below the chip's HBM, FLOPs within 10% of the
+model's analytic count for a step without loops); a program too large for the chip names a mesh that fits; the
+slice names, a missing libtpu and a generation libtpu refuses each get one clear line."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxport.errors import JaxportError
+from jaxport.nn import swiglu_intermediate_size
+from jaxport.runtime import compile_for, topologies
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY_DREAM = FIXTURES / "dream" / "tiny_sharded" / "model"
+UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+needs_libtpu = pytest.mark.skipif(compile_for.libtpu_version() is None, reason="libtpu is not installed")
+
+
+def jaxport(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxport.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
+
+
+def reports(stdout: str) -> list[dict]:
+    """The numbers of each report in `stdout`: memory needed and HBM per device, FLOPs per device."""
+    found = []
+    for block in re.split(r"\n(?=jaxport )", stdout.strip()):  # each report starts with its title
+        need = re.search(
+            r"needs (?:at least )?([\d.]+) (B|KiB|MiB|GiB) per device of a \w+ device's ([\d.]+) GiB", block
+        )
+        flops = re.search(r"FLOPs +([\d.]+) ([kMGTP]?)FLOP per device", block)
+        found.append(
+            {
+                "needed": float(need.group(1)) * BYTES[need.group(2)],
+                "hbm": float(need.group(3)) * 2**30,
+                "fits": "fits (" in block,
+                "flops": float(flops.group(1)) * UNITS[flops.group(2)] if flops else None,
+                "text": block,
+            }
+        )
+    return found
+
+
+def check(proc: subprocess.CompletedProcess, analytic_flops: float | None) -> dict:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (report,) = reports(proc.stdout)
+    assert 0 < report["needed"] < report["hbm"] and report["fits"], report["text"]
+    assert "roofline" in report["text"] and "collectives" in report["text"]
+    if analytic_flops is not None:
+        assert report["flops"] == pytest.approx(analytic_flops, rel=0.10), (report["flops"], analytic_flops)
+    return report
+
+
+# -- slice names and the chip table
+
+
+@pytest.mark.parametrize(
+    "name, chips, devices, topology, hbm_gib",
+    [
+        ("v2-8", 4, 8, "v2:2x2", 8),
+        ("v3-8", 4, 8, "v3:2x2", 16),
+        ("v4-8", 4, 4, "v4:2x2x1", 32),
+        ("v4-64", 32, 32, "v4:2x4x4", 32),
+        ("v5e-8", 8, 8, "v5e:2x4", 16),
+        ("v5litepod-16", 16, 16, "v5e:4x4", 16),
+        ("v5p-64", 32, 32, "v5:2x4x4", 95),
+        ("v5p-256", 128, 128, "v5:4x4x8", 95),
+        ("v6e-256", 256, 256, "v6e:16x16", 32),
+    ],
+)
+def test_cloud_tpu_slice_names(name, chips, devices, topology, hbm_gib):
+    tpu = topologies.parse_slice(name)
+    assert (tpu.chips, tpu.devices, tpu.topology) == (chips, devices, topology)
+    assert tpu.chip.per_device(tpu.chip.hbm_bytes) == hbm_gib * 2**30
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("v7-8", "not a Cloud TPU slice name"), ("v4-12", "counts TensorCores, two per chip"), ("tpu", "e.g. v2-8")],
+)
+def test_a_bad_slice_name_is_one_clear_error(name, message):
+    with pytest.raises(JaxportError, match=message):
+        topologies.parse_slice(name)
+
+
+def test_without_libtpu_the_flag_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(compile_for, "libtpu_version", lambda: None)
+    with pytest.raises(JaxportError, match=r"libtpu, which is not installed: pip install 'jaxport\[tpu\]'"):
+        compile_for.topology_devices(topologies.parse_slice("v4-8"))
+
+
+@needs_libtpu
+def test_a_generation_libtpu_refuses_is_named():
+    tpu = topologies.parse_slice("v4-8")
+    unknown = topologies.Slice("v99-8", topologies.dataclasses.replace(tpu.chip, topology_name="v99"), tpu.shape)
+    with pytest.raises(JaxportError, match=r"libtpu \S+ \(jax \S+\) refuses the v4 topology v99:2x2x1: "):
+        compile_for.topology_devices(unknown)
+
+
+def test_the_models_choose_for_the_target_while_tracing():
+    """A program jitted under the slice's runtime makes the target's choices (here XLA:CPU's row-major copies, made
+    on a CPU only), whatever machine traces it."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxport import runtime
+    from jaxport.nn.linear import row_major
+
+    tpu = compile_for.topology_devices(topologies.parse_slice("v5e-4"))
+    cpu = jax.devices("cpu")[:1]
+    seen = {}
+
+    def probe(a):
+        seen[runtime.current().platform] = row_major(a) is a
+        return a
+
+    for devices in (tpu, cpu):
+        runtime.jit(probe, runtime.for_devices(devices)).trace(jax.ShapeDtypeStruct((4, 4), jnp.bfloat16))
+    assert seen == {"tpu": True, "cpu": False}
+
+
+# -- the compiled program read back
+
+
+@needs_libtpu
+def test_loops_collectives_and_flops_read_from_the_compiled_program():
+    """A 5-step scan of a sharded product: XLA's cost analysis takes its body once, the report all five times; the
+    gradient's all-reduce is found with its group and bytes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    tpu = topologies.parse_slice("v4-8")
+    mesh = Mesh(np.array(compile_for.topology_devices(tpu)), ("data",))
+
+    def step(w, x):
+        def body(g, x_i):
+            return g + jax.grad(lambda w: jnp.sum(jnp.tanh(x_i @ w)))(w), None
+
+        return w - jax.lax.scan(body, jnp.zeros_like(w), x)[0]
+
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    x = jax.ShapeDtypeStruct((5, 64, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "data")))
+    program = compile_for.Program("a scan", jax.jit(step), (w, x), mesh, "")
+    report = compile_for.analyse(tpu, program)
+    per_iteration = 2 * (2 * 16 * 256 * 256)  # per device: 16 rows, the product and its weight gradient
+    assert report.flops == pytest.approx(per_iteration, rel=0.10)  # XLA: the body once, its elementwise work too
+    assert report.hlo.loops == [5]
+    assert report.hlo.extra_flops == 4 * per_iteration  # the products of the other four iterations
+    (reduce,) = report.collectives
+    assert (reduce.kind, reduce.count, reduce.bytes) == ("all-reduce", 1, 256 * 256 * 4)
+    assert reduce.traffic == 2 * 3 / 4 * reduce.bytes  # a ring over 4 devices
+    assert 0 < report.needed < report.hbm
+
+
+# -- each family's command
+
+
+@needs_libtpu
+def test_gpt_train_compiles_for_a_tpu_slice(tmp_path):
+    n_layer, n_head, n_embd, block, batch, vocab = 2, 4, 256, 128, 4, 50304
+    proc = jaxport(
+        "gpt", "train", "--compile-for", "v4-8", f"--n_layer={n_layer}", f"--n_head={n_head}", f"--n_embd={n_embd}",
+        f"--block_size={block}", f"--batch_size={batch}", "--gradient_accumulation_steps=4", "--dataset=none",
+        cwd=tmp_path,
+    )  # fmt: skip
+    # nanoGPT's estimate_mfu count: 6 per parameter (wpe aside) and token, attention 12 L H Q T per token
+    params = vocab * n_embd + n_layer * (12 * n_embd**2 + 13 * n_embd) + 2 * n_embd
+    per_token = 6 * params + 12 * n_layer * n_head * (n_embd // n_head) * block
+    report = check(proc, per_token * batch * block)
+    assert "mesh data=4 fsdp=1 model=1 (--fsdp=1)" in report["text"]
+    assert not list(tmp_path.iterdir()), "nothing written"
+
+
+@needs_libtpu
+def test_a_program_too_large_names_the_mesh_that_fits(tmp_path):
+    """2.3 GB of float32 weights, with their AdamW moments and gradients, do not fit a v2 core's 8 GiB; FSDP over the 8
+    cores does."""
+    proc = jaxport(
+        "gpt", "train", "--compile-for", "v2-8", "--n_layer=1", "--n_head=40", "--n_embd=5120", "--block_size=64",
+        "--batch_size=1", "--gradient_accumulation_steps=8", "--dataset=none", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (report,) = reports(proc.stdout)
+    assert not report["fits"] and report["needed"] > report["hbm"], report["text"]
+    assert re.search(r"DOES NOT FIT with --fsdp=1; use --fsdp=(2|4|8) \([\d.]+ GiB per device\)", report["text"])
+
+
+@needs_libtpu
+def test_trm_train_compiles_from_the_dataset_metadata_alone(tmp_path):
+    data = tmp_path / "data" / "train"
+    data.mkdir(parents=True)
+    seq_len, vocab = 64, 11
+    meta = dict(pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=vocab, seq_len=seq_len)
+    meta.update(num_puzzle_identifiers=1, total_groups=10, mean_puzzle_examples=1.0, total_puzzles=10, sets=["all"])
+    (data / "dataset.json").write_text(json.dumps(meta))
+    D, heads, L_layers, H, L, batch = 128, 4, 2, 2, 2, 32
+    proc = jaxport(
+        "trm", "train", "arch=trm", f"data_paths=[{tmp_path / 'data'}]", "evaluators=[]", f"global_batch_size={batch}",
+        f"arch.hidden_size={D}", f"arch.num_heads={heads}", f"arch.L_layers={L_layers}", f"arch.H_cycles={H}",
+        f"arch.L_cycles={L}", "arch.puzzle_emb_ndim=0", "arch.puzzle_emb_len=0", "arch.halt_max_steps=2",
+        f"checkpoint_path={tmp_path / 'run'}", "--compile-for", "v4-8", cwd=tmp_path,
+    )  # fmt: skip
+    # per token and block application: q, k, v, o (8 D^2), scores and values (4 S D), the SwiGLU (6 D I); H (L + 1)
+    # applications of L_layers blocks forward, the last cycle's L + 1 also backward (twice the forward); the head
+    mlp = swiglu_intermediate_size(D, 4.0)
+    per_block = 8 * D * D + 4 * seq_len * D + 6 * D * mlp
+    applications = (H * (L + 1) + 2 * (L + 1)) * L_layers
+    report = check(proc, (per_block * applications + 3 * 2 * D * vocab) * (batch // 4) * seq_len)
+    assert "global_batch_size 32, 8 per device" in report["text"]
+    assert not (tmp_path / "run").exists(), "no run folder"
+
+
+def dream_folder(tmp_path: Path, **sizes) -> Path:
+    """A Dream folder with config.json and the tokenizer files only: no weights."""
+    folder = tmp_path / "dream"
+    folder.mkdir()
+    for f in TINY_DREAM.iterdir():
+        if not f.name.startswith("model") and f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    config = {**json.loads((TINY_DREAM / "config.json").read_text()), **sizes}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def dream_params(D: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int) -> int:
+    """Parameters in matrix products per token: the layers' projections and MLP, and the untied head."""
+    kv = kv_heads * D // heads
+    return layers * (2 * D * D + 2 * D * kv + 3 * D * inter) + D * vocab
+
+
+DREAM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@needs_libtpu
+def test_dream_train_compiles_from_config_and_tokenizer_alone(tmp_path):
+    model = dream_folder(tmp_path, **DREAM)
+    seq_len, batch = 64, 8
+    proc = jaxport(
+        "dream", "train", "--model", str(model), "--data", str(tmp_path / "absent.txt"), "--seq-len", str(seq_len),
+        "--batch-size", str(batch), "--out-dir", str(tmp_path / "run"), "--compile-for", "v4-8",
+    )  # fmt: skip
+    params = dream_params(256, 512, 2, 4, 2, 512)
+    per_token = 6 * params + 12 * 2 * seq_len * 256  # weights forward and backward; full attention
+    report = check(proc, per_token * (batch // 4) * seq_len)
+    assert "float32 weights and AdamW moments" in report["text"]
+    assert not (tmp_path / "run").exists()
+
+
+@needs_libtpu
+def test_dream_generate_and_serve_compile_their_programs(tmp_path):
+    """One decoding step with every position of the canvas but the prompt masked: the work of upstream's
+    full-canvas forward."""
+    model = dream_folder(tmp_path, **DREAM)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps("def add(a, b):") + "\n")
+    new = 120
+    proc = jaxport(
+        "dream", "generate", "--model", str(model), "--prompts", str(prompts), "--max-new-tokens", str(new), "--steps",
+        "1", "--batch-size", "4", "--mesh", "4,1,1", "--compile-for", "v4-8",
+    )  # fmt: skip
+    prompt = int(re.search(r"prompt (\d+) \+", proc.stdout).group(1))
+    length = prompt + new
+    per_token = 2 * dream_params(256, 512, 2, 4, 2, 512) + 4 * 2 * length * 256
+    report = check(proc, per_token * length)  # one row per device
+    assert "(--mesh 4,1,1)" in report["text"] and "without the command's progress callback" in report["text"]
+
+    proc = jaxport(
+        "dream", "serve", "--model", str(model), "--max-batch", "2", "--prompt-buckets", "16",
+        "--max-tokens-buckets", "32", "--compile-for", "v5e-4",
+    )  # fmt: skip
+    check(proc, None)
+    assert "prompt bucket 16 + 32 new tokens" in proc.stdout and "no --mesh: one device" in proc.stdout
