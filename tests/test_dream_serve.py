@@ -267,6 +267,8 @@ def test_bad_requests_get_openai_errors(server, options, status, param, message)
 
 def test_malformed_json_and_unknown_route(server):
     url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a " * (1 << 20)})
+    assert response.status_code == 413 and response.json()["error"]["param"] == "body", response.text
     response = httpx.post(f"{url}/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     response = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": []})

@@ -233,6 +233,7 @@ def serve(args) -> int:
         programs=tuple(_program(text) for text in args.program),
         compile_on_demand=args.compile_on_demand,
         batching=args.batching,
+        max_body_bytes=args.max_body_bytes,
     )
     if args.compile_for:
         return _compile_serve(args, settings)
@@ -600,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="compile programs outside the start-up set for the requests that ask for them, keeping at most N "
         "(least recently used evicted; default 0: such requests get HTTP 400)",
+    )
+    srv.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="longest request body accepted (more: HTTP 413)"
     )
     srv.add_argument(
         "--batching",

@@ -84,6 +84,7 @@ class ServeSettings:
     programs: tuple = ()
     compile_on_demand: int = 0  # programs outside the start-up set compiled for requests, least recently used evicted
     batching: str = "static"  # or "continuous": block-wise dual-cache requests join a running batch between blocks
+    max_body_bytes: int = 1 << 20  # a longer request body gets HTTP 413
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_context", "default_max_tokens"):
@@ -559,6 +560,38 @@ class DreamServer:
         )
 
 
+class LimitBody:
+    """HTTP 413 for a request body above `limit` bytes, by its Content-Length or as its bytes arrive (an ASGI
+    middleware, before anything reads the body)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(send, int(length))
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise APIError(413, self._message(received), "body", "request_too_large")
+            return message
+
+        return await self.app(scope, counted, send)
+
+    def _message(self, size: int) -> str:
+        return f"body: the request body has {size} bytes or more, above the limit of {self.limit} (--max-body-bytes)"
+
+    async def _too_large(self, send, size: int):
+        await APIError(413, self._message(size), "body", "request_too_large").response()({"type": "http"}, None, send)
+
+
 class CountResponses:
     """Counts every response by endpoint and status (an ASGI middleware: Starlette's `BaseHTTPMiddleware` would hide
     a client's disconnect from the endpoint)."""
@@ -617,6 +650,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    app.add_middleware(LimitBody, limit=settings.max_body_bytes)
     app.add_middleware(CountResponses, metrics=server.metrics)
 
     @app.get("/metrics")
