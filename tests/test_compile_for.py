@@ -181,6 +181,33 @@ def test_gpt_train_compiles_for_a_tpu_slice(tmp_path):
     assert not list(tmp_path.iterdir()), "nothing written"
 
 
+def collective_bytes(text: str) -> dict[str, float]:
+    """Bytes per device of each kind of collective in a report's collectives line."""
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("collectives")]
+    found = re.findall(r"([\w-]+) x\d+: ([\d.]+) (B|KiB|MiB|GiB) \(", line)
+    return {kind: float(n) * BYTES[unit] for kind, n, unit in found}
+
+
+@needs_libtpu
+def test_gpt_fsdp_moves_the_weights_not_the_batch(tmp_path):
+    """FSDP gathers each weight (in the compute dtype, for the forward and again for the backward) and
+    reduce-scatters its float32 gradient: at most 8 bytes per parameter cross the links, whatever the batch. A step
+    that splits the products' contraction over the fsdp axis instead all-reduces activations and logits of the
+    whole global batch, many times the parameters' bytes."""
+    n_layer, n_embd, block, vocab = 2, 256, 128, 50304
+    proc = jaxport(
+        "gpt", "train", "--compile-for", "v4-8", "--fsdp=4", f"--n_layer={n_layer}", "--n_head=4",
+        f"--n_embd={n_embd}", f"--block_size={block}", "--batch_size=16", "--gradient_accumulation_steps=4",
+        "--dataset=none", cwd=tmp_path,
+    )  # fmt: skip
+    report = check(proc, None)
+    assert "mesh data=1 fsdp=4 model=1 (--fsdp=4)" in report["text"]
+    params = (vocab + block) * n_embd + n_layer * (12 * n_embd**2 + 2 * n_embd) + n_embd  # bias=False
+    moved = collective_bytes(report["text"])
+    assert moved.get("all-gather", 0) > 0, report["text"]  # the weights are gathered
+    assert sum(moved.values()) <= 8 * params, (moved, 8 * params, report["text"])
+
+
 @needs_libtpu
 def test_a_program_too_large_names_the_mesh_that_fits(tmp_path):
     """2.3 GB of float32 weights, with their AdamW moments and gradients, do not fit a v2 core's 8 GiB; FSDP over the 8

@@ -4,7 +4,9 @@ from jaxport.distributed.host import fetch_replicated, gather_objects, gather_to
 from jaxport.distributed.launch import initialize, initialize_from_argv
 from jaxport.distributed.mesh import (
     LOGICAL_AXIS_RULES,
+    logical_constraint,
     logical_sharding,
+    logical_spec,
     make_mesh,
     parse_mesh,
     replicate,
@@ -21,7 +23,9 @@ __all__ = [
     "initialize",
     "initialize_from_argv",
     "local_rows",
+    "logical_constraint",
     "logical_sharding",
+    "logical_spec",
     "make_mesh",
     "parse_mesh",
     "replicate",

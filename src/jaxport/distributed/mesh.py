@@ -1,7 +1,10 @@
 """Meshes over all devices (all hosts), with logical axis names mapped onto mesh axes.
 
 Every family names array dimensions logically (`batch`, `embed`, `heads`, ...) and
-these rules decide which mesh axis, if any, splits them, as MaxText does.
+these rules decide which mesh axis, if any, splits them, as MaxText does. Weights and activations name
+their embedding dimension apart: FSDP splits the weights' `embed`, while activations keep theirs whole and
+are split by `batch` (`logical_constraint`), so XLA gathers the weights where a layer needs them instead of
+splitting the products' contraction and all-reducing partial sums over the whole batch.
 """
 
 import math
@@ -22,6 +25,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "model",
     "vocab": "model",
     "seq": None,
+    "activation_embed": None,
 }
 
 
@@ -56,9 +60,9 @@ def parse_mesh(spec: str | None, devices=None) -> Mesh | None:
         ) from None
 
 
-def logical_sharding(mesh: Mesh, *logical_axes: str | None, shape: tuple | None = None) -> NamedSharding:
-    """NamedSharding for an array whose dimensions have these logical names. With `shape`, a dimension
-    that its mesh axes do not divide evenly is replicated instead."""
+def logical_spec(mesh, *logical_axes: str | None, shape: tuple | None = None) -> P:
+    """The PartitionSpec of an array whose dimensions have these logical names on `mesh` (a Mesh or an
+    AbstractMesh). With `shape`, a dimension that its mesh axes do not divide evenly is replicated instead."""
     spec = []
     for i, name in enumerate(logical_axes):
         axes = LOGICAL_AXIS_RULES.get(name) if name else None
@@ -71,7 +75,22 @@ def logical_sharding(mesh: Mesh, *logical_axes: str | None, shape: tuple | None 
             ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
             axes = axes if shape[i] % ways == 0 else None
         spec.append(axes)
-    return NamedSharding(mesh, P(*spec))
+    return P(*spec)
+
+
+def logical_sharding(mesh: Mesh, *logical_axes: str | None, shape: tuple | None = None) -> NamedSharding:
+    """NamedSharding for an array whose dimensions have these logical names (see `logical_spec`)."""
+    return NamedSharding(mesh, logical_spec(mesh, *logical_axes, shape=shape))
+
+
+def logical_constraint(x, *logical_axes: str | None):
+    """`x`, whose dimensions have these logical names, placed by the rules on the mesh of the program being
+    traced (`jax.sharding.use_abstract_mesh`, set by the step that jits it); unchanged without one (one
+    device, or a program that sets no mesh), so a single-device program stays as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(mesh, *logical_axes, shape=x.shape))
 
 
 def tree_shardings(tree, mesh: Mesh, logical_axes_of):

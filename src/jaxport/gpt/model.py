@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxport import runtime
+from jaxport.distributed import logical_constraint
 from jaxport.errors import JaxportError
 from jaxport.gpt import params
 from jaxport.gpt.config import GPTConfig
@@ -143,7 +144,8 @@ class GPT(nnx.Module):
         rngs = jax.random.split(rng, self.config.n_layer + 1) if rng is not None else [None] * (self.config.n_layer + 1)
         positions = pos + jnp.arange(T)
         x = add_positions(jnp.take(self.wte[...], idx_BT, axis=0), jnp.take(self.wpe[...], positions, axis=0))
-        x = x.astype(self.dtype)
+        # rows split over the mesh, each row's embedding whole (the weights' `embed` is what FSDP splits)
+        x = logical_constraint(x.astype(self.dtype), "batch", "seq", "activation_embed")
         x = dropout(x, self.config.dropout, rngs[-1])
         if cache is None and rng is None:
             x = in_row_chunks(self._blocks, _row_chunks(*idx_BT.shape), x)

@@ -286,7 +286,7 @@ class Trainer:
             step_runtime=self.runtime,
             seed=cfg["seed"],
         )
-        self._eval = _make_eval_step(self.graphdef, self.runtime)
+        self._eval = _make_eval_step(self.graphdef, self.runtime, self.mesh)
 
     @property
     def compiler_options(self) -> dict | None:
@@ -375,8 +375,11 @@ class Trainer:
 def _make_train_step(
     graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, step_runtime, seed
 ):
+    mesh = jax.tree.leaves(state_shardings)[0].mesh
+
     def loss_fn(params, x, y, rng):
-        return nnx.merge(graphdef, params).forward(x, y, rng if dropout else None)[1]
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the model places its activations on it
+            return nnx.merge(graphdef, params).forward(x, y, rng if dropout else None)[1]
 
     # outputs keep the inputs' shardings, so the next call reuses this compilation
     @functools.partial(
@@ -424,11 +427,12 @@ def _make_train_step(
     return step
 
 
-def _make_eval_step(graphdef, step_runtime):
+def _make_eval_step(graphdef, step_runtime, mesh):
     @functools.partial(runtime.jit, runtime=step_runtime)
     def evaluate(params, X_NBT, Y_NBT):  # all N batches in one compiled call, one batch at a time
         model = nnx.merge(graphdef, params)
-        return jax.lax.map(lambda xy: model.forward(*xy)[1], (X_NBT, Y_NBT))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the model places its activations on it
+            return jax.lax.map(lambda xy: model.forward(*xy)[1], (X_NBT, Y_NBT))
 
     return evaluate
 
