@@ -17,8 +17,11 @@ the first process writes the checkpoint and logs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import importlib
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -50,8 +53,9 @@ from jaxport.gpt.data import Batches, load_meta
 from jaxport.gpt.model import GPT, Checkpoint, estimate_mfu, load_checkpoint
 from jaxport.runtime.compile_for import abstract
 from jaxport.runtime.topologies import device_peak_flops
+from jaxport.training.metrics_log import pyplot
 from jaxport.training.optimizers import moment_shardings
-from jaxport.training.run import CHECKPOINT_SUBDIR, Run, run_checkpoints
+from jaxport.training.run import CHECKPOINT_SUBDIR, Run, restore_params, run_checkpoints
 from jaxport.typed_config import validate
 
 # nanoGPT train.py's globals, same names and defaults (GPT-2 124M on OpenWebText).
@@ -536,23 +540,17 @@ def load_trained_model(out_dir) -> tuple[GPT, dict]:
     """(model, training config) of a run: from its newest intact jaxport checkpoint, else from its
     ckpt.pt (a nanoGPT run, or nanoGPT's file written beside jaxport's)."""
     out_dir = Path(out_dir)
-    if (out_dir / CHECKPOINT_SUBDIR).is_dir():
-        with run_checkpoints(out_dir) as checkpoints:
-            if checkpoints.latest_step() is not None:
-                graphdef = None
+    graphdef = None
 
-                def abstract_params(meta):
-                    nonlocal graphdef
-                    graphdef, state = nnx.split(GPT.abstract(GPTConfig(**meta["model_args"])))
-                    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                    return {
-                        "params": jax.tree.map(
-                            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(state)
-                        )
-                    }
+    def abstract_params(meta):  # the model's size is in the checkpoint's meta
+        nonlocal graphdef
+        graphdef, state = nnx.split(GPT.abstract(GPTConfig(**meta["model_args"])))
+        return nnx.to_pure_dict(state)
 
-                state, meta = checkpoints.restore(abstract_params, partial=True)
-                return nnx.merge(graphdef, state["params"]), meta["config"]
+    restored = restore_params(out_dir, abstract_params)
+    if restored is not None:
+        params, meta = restored
+        return nnx.merge(graphdef, params), meta["config"]
     ckpt = load_checkpoint(out_dir)
     return ckpt.model, ckpt.config
 
@@ -569,13 +567,40 @@ def export(out_dir, device: str = "cpu") -> Path:
         )
     if trainer is None:
         raise JaxportError(
-            f"{out_dir} has no jaxport checkpoints to export (expected {out_dir}/jaxport_checkpoints, "
+            f"{out_dir} has no jaxport checkpoints to export (expected {out_dir / CHECKPOINT_SUBDIR}, "
             f"written by `jaxport gpt train`)"
         )
     cfg = trainer.cfg
     lr = get_lr(trainer.iter_num, cfg) if cfg["decay_lr"] else cfg["learning_rate"]
     write_nanogpt_checkpoint(trainer, out_dir, trainer.iter_num, trainer.best_val_loss, lr)
     return out_dir / "ckpt.pt"
+
+
+class ImportAhead:
+    """Imports on a thread what the run needs later, so that its first save and its close do not wait for it:
+    matplotlib (the learning curves drawn at close) and the modules named (torch, for nanoGPT's ckpt.pt).
+
+    Called once the first step has compiled: while a step is traced the import's Python holds the GIL the tracer
+    needs, while a compiled step runs without it (docs/performance.md, "Host work around the README run's steps").
+    Calls after the first do nothing, so the loop calls it after every step. A module that fails to import fails
+    again where it is used. Only the process that writes files imports (`enabled`)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.thread = enabled, None
+
+    def __call__(self, *modules: str) -> None:
+        if not self.enabled or self.thread is not None:
+            return
+
+        def import_all():
+            with contextlib.suppress(Exception):
+                pyplot()
+            for module in modules:
+                with contextlib.suppress(Exception):
+                    importlib.import_module(module)
+
+        self.thread = threading.Thread(target=import_all, name="jaxport-import-ahead", daemon=True)
+        self.thread.start()
 
 
 def train(cfg: dict) -> dict:
@@ -610,6 +635,7 @@ def train(cfg: dict) -> dict:
         name=cfg["wandb_run_name"],
         shown=("loss",),
         progress=cfg["progress"],
+        read_every=cfg["log_interval"],  # read at log and save points, as nanoGPT's loop reads its loss
     )
     with run:
         return _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo)
@@ -648,24 +674,19 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             out[split] = float(np.mean(fetch_replicated(trainer.eval_losses(X, Y))))
         return out
 
-    unchecked = []  # (iter, device micro-step losses, device grad norm) of iterations not read yet
     loss_scaling = trainer.dtype == jnp.float16  # float16's GradScaler skips steps whose gradients overflow
 
-    def check_losses():
+    def check_step(it, outputs):
         """Stop at the first non-finite loss or gradient norm, before any later checkpoint is written (read at
-        log and save points only, in one transfer)."""
-        values = fetch_replicated([(losses, norm) for _, losses, norm in unchecked])
-        for (it, _, _), (losses, norm) in zip(unchecked, values):
-            for loss in losses:  # every micro-step's
-                run.check_finite(it, loss)
-            if not loss_scaling:
-                run.check_finite(it, norm, what="the gradient norm")
-        unchecked.clear()
+        log and save points only, in one transfer: `Run.record`)."""
+        losses, norm = outputs
+        run.check_finite(it, losses)  # every micro-step's
+        if not loss_scaling:
+            run.check_finite(it, norm, what="the gradient norm")
 
     warned_no_torch = []
 
     def save(lr):
-        check_losses()
         # the batches are keyed by iteration (see Batches), so iter_num is the data position too
         run.save(iter_num, trainer.state(), trainer.checkpoint_meta(iter_num, best_val_loss))
         say(f"saving checkpoint to {out_dir}")
@@ -681,6 +702,7 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
             )
 
     saves = cfg["max_iters"] >= cfg["eval_interval"] or cfg["checkpoint_interval"]
+    import_ahead = ImportAhead(enabled=master)
     later_imports = ["torch"] if saves and jax.process_count() == 1 and torch_available() else []  # for ckpt.pt
     X, Y = batches.get("train", (accum,), draw=iter_num)
     t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
@@ -703,12 +725,12 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
         if iter_num == 0 and cfg["eval_only"]:
             break
         micro_losses, norm = trainer.step(X, Y, lr, iter_num)
-        run.import_ahead(*later_imports)  # the step has compiled: load what the saves and the end import
-        unchecked.append((iter_num, micro_losses, norm))
+        import_ahead(*later_imports)  # the step has compiled: load what the saves and the end import
+        run.record(iter_num, (micro_losses, norm), check_step)
         X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs (an accelerator's)
         steps_timed += 1
         if iter_num % cfg["log_interval"] == 0:
-            check_losses()
+            run.flush()
             lossf = float(fetch_replicated(micro_losses)[-1])  # nanoGPT logs the last micro-step's loss
             t1 = time.time()
             # steps run asynchronously: time per iteration is averaged since the last log
@@ -736,5 +758,5 @@ def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
         local_iter_num += 1
         if iter_num > cfg["max_iters"]:
             break
-    check_losses()
+    run.flush()
     return last
