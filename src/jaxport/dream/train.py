@@ -45,6 +45,7 @@ from jaxport.errors import JaxportError
 from jaxport.nn import softmax_cross_entropy
 from jaxport.training.optimizers import moment_shardings
 from jaxport.training.run import Run, restore_params
+from jaxport.training.step import accumulate_gradients, decay_mask
 
 
 def _option(default, help: str):
@@ -197,7 +198,6 @@ def optimizer(cfg: TrainConfig):
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
     )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     return optax.chain(
         clip, optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask)
@@ -227,13 +227,11 @@ def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shard
     def step(state: TrainState, batches: dict, key):
         accum = batches["input_ids"].shape[0]
 
-        def micro(grads, inputs):
-            batch, micro_key = inputs
-            loss, g = jax.value_and_grad(loss_fn)(state.params, batch, micro_key)
-            return jax.tree.map(jnp.add, grads, g), loss
+        def objective(params, batch, micro_key):
+            loss = loss_fn(params, batch, micro_key)
+            return loss, loss
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, losses = jax.lax.scan(micro, zeros, (batches, jax.random.split(key, accum)))
+        grads, losses = accumulate_gradients(objective, state.params, batches, jax.random.split(key, accum))
         grads = jax.tree.map(lambda g: g / accum, grads)  # equal micro-batches: the mean over all rows
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -56,6 +56,15 @@ from jaxport.runtime.topologies import device_peak_flops
 from jaxport.training.metrics_log import pyplot
 from jaxport.training.optimizers import moment_shardings
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, restore_params, run_checkpoints
+from jaxport.training.step import (  # noqa: F401 (LOSS_SCALE_GROWTH_INTERVAL: GPT's public name)
+    LOSS_SCALE_GROWTH_INTERVAL,
+    accumulate_gradients,
+    clip_by_global_norm,
+    decay_mask,
+    initial_loss_scale,
+    next_loss_scale,
+    skip_unless_finite,
+)
 from jaxport.typed_config import validate
 
 # nanoGPT train.py's globals, same names and defaults (GPT-2 124M on OpenWebText).
@@ -99,7 +108,6 @@ DEFAULTS = dict(
 # (the newest keep_last, plus every keep_every-th iteration).
 EXTRA = dict(data_dir="data", seed=1337, progress=True, fsdp=1, checkpoint_interval=None, keep_last=3, keep_every=None)
 # torch.amp.GradScaler's defaults, which nanoGPT uses for float16
-LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0**16, 2000
 Rate = pydantic.confloat(ge=0, allow_inf_nan=False)
 Fraction = pydantic.confloat(ge=0, lt=1)
 
@@ -180,7 +188,7 @@ def adamw(weight_decay: float, beta1: float, beta2: float, eps: float = 1e-8):
         b2=beta2,
         eps=eps,
         weight_decay=weight_decay,
-        mask=lambda tree: jax.tree.map(lambda p: p.ndim >= 2, tree),
+        mask=decay_mask,
     )
 
 
@@ -244,7 +252,7 @@ class Trainer:
         self.mesh = make_mesh(fsdp=fsdp, devices=devices)
         self.dtype = compute_dtype(cfg["dtype"], devices[0].platform)
         # float16 needs dynamic loss scaling, as nanoGPT's GradScaler: (scale, finite steps in a row)
-        self.loss_scale = (jnp.float32(LOSS_SCALE_INIT if self.dtype == jnp.float16 else 1.0), jnp.int32(0))
+        self.loss_scale = initial_loss_scale(self.dtype == jnp.float16)
         model, ckpt = initial_model(cfg, vocab_size, resume_meta and resume_meta["model_args"])
         self.iter_num, self.best_val_loss = (ckpt.iter_num, ckpt.best_val_loss) if ckpt else (0, 1e9)
         betas, eps, wd = (cfg["beta1"], cfg["beta2"]), 1e-8, cfg["weight_decay"]
@@ -393,37 +401,25 @@ def _make_train_step(
         # the dropout key of iteration `draw`, made here: made on the host, it waited for the step before it
         rng = jax.random.fold_in(jax.random.key(seed), draw)
         accum = X.shape[0]
-        scale, good_steps = loss_scale
+        scale = loss_scale[0]
 
-        def micro(grads, inputs):
-            x, y, key = inputs
+        def objective(p, xy, key):  # the gradients of loss / accum add up to the mean's, as in nanoGPT
+            loss = loss_fn(p, *xy, key)
+            return loss / accum * scale, loss
 
-            def scaled_loss(p):  # the gradients of loss / accum add up to the mean's, as in nanoGPT
-                loss = loss_fn(p, x, y, key)
-                return loss / accum * scale, loss
-
-            (_, loss), g = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-            return jax.tree.map(jnp.add, grads, g), loss
-
-        grads0 = jax.tree.map(jnp.zeros_like, params)
-        grads, losses = jax.lax.scan(micro, grads0, (X, Y, jax.random.split(rng, accum)))
+        grads, losses = accumulate_gradients(objective, params, (X, Y), jax.random.split(rng, accum))
         if loss_scaling:
             grads = jax.tree.map(lambda g: g / scale, grads)
-        norm = optax.tree.norm(grads)
-        if grad_clip != 0.0:  # torch's clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
-            clip = jnp.minimum(1.0, grad_clip / (norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * clip, grads)
+        grads, norm = clip_by_global_norm(grads, grad_clip)
         opt_state.hyperparams["learning_rate"] = lr
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        if loss_scaling:  # GradScaler: skip steps with inf/nan gradients and halve the scale; grow it
-            finite = jnp.isfinite(norm)  # after LOSS_SCALE_GROWTH_INTERVAL finite steps in a row
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-            new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
-            grown = good_steps + 1 == LOSS_SCALE_GROWTH_INTERVAL
-            scale = jnp.where(finite, jnp.where(grown, scale * 2, scale), scale / 2)
-            good_steps = jnp.where(finite & ~grown, good_steps + 1, 0)
-        return new_params, new_opt_state, (scale, good_steps), losses, norm
+        if loss_scaling:  # GradScaler: skip steps with inf/nan gradients, halve or grow the scale
+            finite = jnp.isfinite(norm)
+            new_params = skip_unless_finite(finite, new_params, params)
+            new_opt_state = skip_unless_finite(finite, new_opt_state, opt_state)
+            loss_scale = next_loss_scale(loss_scale, finite)
+        return new_params, new_opt_state, loss_scale, losses, norm
 
     return step
 
