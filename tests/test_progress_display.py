@@ -114,19 +114,19 @@ def test_trm_steps_where_no_row_halted_log_null(tmp_path):
 
 
 def test_a_run_imports_what_its_end_needs_on_a_thread_once(tmp_path):
-    """`Run.import_ahead`: matplotlib's pyplot (the learning curves at close) and the modules named, loaded on one
-    background thread, started once however often a loop calls it; a module that does not exist is left to fail
-    where it is used."""
-    probe = f"""
+    """`ImportAhead` (GPT's loop): matplotlib's pyplot (the learning curves at close) and the modules named, loaded
+    on one background thread, started once however often a loop calls it; a module that does not exist is left to
+    fail where it is used."""
+    probe = """
 import sys, threading
-from jaxport.training.run import Run
-assert "matplotlib.pyplot" not in sys.modules and "colorsys" not in sys.modules
-run = Run({str(tmp_path / "run")!r}, total_steps=1)
-run.import_ahead("colorsys", "no_such_module_here")
-first = run._import_thread
-run.import_ahead("wave")
+from jaxport.gpt.train import ImportAhead
+assert "matplotlib.pyplot" not in sys.modules and "tabnanny" not in sys.modules
+import_ahead = ImportAhead()
+import_ahead("tabnanny", "no_such_module_here")
+first = import_ahead.thread
+import_ahead("wave")
 first.join(60)
-print(first is run._import_thread, first.daemon, "matplotlib.pyplot" in sys.modules, "colorsys" in sys.modules,
+print(first is import_ahead.thread, first.daemon, "matplotlib.pyplot" in sys.modules, "tabnanny" in sys.modules,
       "wave" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

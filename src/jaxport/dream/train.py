@@ -44,7 +44,8 @@ from jaxport.dream.tokenizer import DreamTokenizer, copy_tokenizer_files, specia
 from jaxport.errors import JaxportError
 from jaxport.nn import softmax_cross_entropy
 from jaxport.training.optimizers import moment_shardings
-from jaxport.training.run import Run, run_checkpoints
+from jaxport.training.run import Run, restore_params
+from jaxport.training.step import accumulate_gradients, decay_mask
 
 
 def _option(default, help: str):
@@ -197,7 +198,6 @@ def optimizer(cfg: TrainConfig):
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
     )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     return optax.chain(
         clip, optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask)
@@ -227,13 +227,11 @@ def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shard
     def step(state: TrainState, batches: dict, key):
         accum = batches["input_ids"].shape[0]
 
-        def micro(grads, inputs):
-            batch, micro_key = inputs
-            loss, g = jax.value_and_grad(loss_fn)(state.params, batch, micro_key)
-            return jax.tree.map(jnp.add, grads, g), loss
+        def objective(params, batch, micro_key):
+            loss = loss_fn(params, batch, micro_key)
+            return loss, loss
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, losses = jax.lax.scan(micro, zeros, (batches, jax.random.split(key, accum)))
+        grads, losses = accumulate_gradients(objective, state.params, batches, jax.random.split(key, accum))
         grads = jax.tree.map(lambda g: g / accum, grads)  # equal micro-batches: the mean over all rows
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -424,26 +422,29 @@ def train(preset: str | None = None, **options) -> dict:
             f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) {dict(mesh.shape)}; "
             f"the first step compiles"
         )
-        loss = None
+        last = {"loss": None}
+
+        def read(step, metrics):  # a step's metrics, read while the next step runs
+            last["loss"] = float(metrics["loss"])
+            run.check_finite(step, last["loss"])
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                return {
+                    "train/loss": last["loss"],
+                    "train/grad_norm": float(metrics["grad_norm"]),
+                    "train/lr": float(schedule(step - 1)),
+                }
+            return None
+
         for step in range(first + 1, cfg.steps + 1):
             index = batches.next().reshape(cfg.grad_accum, cfg.batch_size)
             index = index[:, process * local_rows : (process + 1) * local_rows]
             args = (state, shard_batch(rows.take(index), mesh, batch_dim=-2), jax.random.fold_in(base_key, step))
             state, metrics = train_step(*args)
-            loss = float(fetch_replicated(metrics["loss"]))
-            run.check_finite(step, loss)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                run.log(
-                    step,
-                    {
-                        "train/loss": loss,
-                        "train/grad_norm": float(fetch_replicated(metrics["grad_norm"])),
-                        "train/lr": float(schedule(step - 1)),
-                    },
-                )
+            run.record(step, {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}, read)
             if step % cfg.save_every == 0 or step == cfg.steps:
                 run.save(step, state, {"data": batches.state_dict(), "seed": cfg.seed})
             if (cfg.sample_every and step % cfg.sample_every == 0 or step == cfg.steps) and prompts:
+                run.flush()  # this step's metrics come before its samples
                 log_samples(
                     run,
                     step,
@@ -451,6 +452,7 @@ def train(preset: str | None = None, **options) -> dict:
                         nnx.merge(graphdef, state.params), tokenizer, prompts, cfg.seq_len, cfg.sample_tokens
                     ),
                 )
+        run.flush()
         export_dir = Path(cfg.export_dir or Path(cfg.out_dir) / "hf")
         save_pretrained(
             nnx.merge(graphdef, state.params),
@@ -463,7 +465,7 @@ def train(preset: str | None = None, **options) -> dict:
     png = Path(cfg.out_dir) / "learning_curves.png"
     return {
         "step": int(fetch_replicated(state.step)),
-        "loss": loss,
+        "loss": last["loss"],
         "export_dir": str(export_dir),
         "learning_curves": str(png) if png.is_file() else None,
     }
@@ -481,18 +483,12 @@ def export(
     another Hugging Face directory (to change the dtype or the shard size)."""
     source = Path(source)
     config = DreamConfig.from_model_dir(source)
-    checkpoints = source / "jaxport_checkpoints"
-    if not checkpoints.is_dir():
+    model = abstract_model(config, jnp.float32, None)
+    restored = restore_params(source, nnx.state(model), step=step)
+    if restored is None:  # a Hugging Face directory
         model = load_model(source, config, dtype="float32")
     else:
-        model = abstract_model(config, jnp.float32, None)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        wanted = {
-            "params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.state(model))
-        }
-        with run_checkpoints(source, keep_last=None) as saved:
-            restored, _ = saved.restore(wanted, step=step, partial=True)
-        nnx.update(model, restored["params"])
+        nnx.update(model, restored[0])
     return save_pretrained(
         model, output_dir, dtype=dtype or config.torch_dtype, max_shard_size=max_shard_size, tokenizer_dir=source
     )

@@ -17,7 +17,8 @@ class MetricsLog:
     """Only process 0 logs; the others get a silent log (`enabled=False`).
 
     A metric whose value is None was not measured at that step (e.g. accuracy when no row halted):
-    `metrics.jsonl` records null, and the progress bar keeps showing the last measured value."""
+    `metrics.jsonl` records null, and the progress bar keeps showing the last measured value. The bar shows the
+    training metrics named in `shown` (`lm_loss` shows `train/lm_loss`)."""
 
     def __init__(
         self,
@@ -30,7 +31,7 @@ class MetricsLog:
         project: str | None = None,
         name: str | None = None,
         enabled: bool = True,
-        shown=("lm_loss", "loss", "accuracy"),
+        shown=(),
         progress: bool = True,
     ):
         self.run_dir = Path(run_dir)
@@ -38,7 +39,7 @@ class MetricsLog:
         self.jsonl = self.run_dir / "metrics.jsonl"
         self._wandb = self._tensorboard = None
         self._last_time, self._last_step = time.perf_counter(), initial_step
-        self._shown_suffixes, self._postfix = tuple(shown), {}
+        self._shown, self._postfix = frozenset(shown), {}
         if not enabled:
             self.bar = None
             return
@@ -90,7 +91,7 @@ class MetricsLog:
                 {
                     k.split("/")[-1]: f"{v:.4g}"
                     for k, v in measured.items()
-                    if k.endswith(self._shown_suffixes) and k.startswith("train/") and "q_halt" not in k
+                    if k.startswith("train/") and k.split("/")[-1] in self._shown
                 }
             )
             self.bar.set_postfix(self._postfix, refresh=False)

@@ -1,28 +1,34 @@
 """One training run's folder and everything it owns, for every family.
 
+    def read(step, out):                                  # host values of one step, one step late
+        run.check_finite(step, out["loss"])               # NaN/Inf: stop, naming the last good checkpoint
+        return {"train/loss": out["loss"]}                # process 0: bar, metrics.jsonl, wandb, tensorboard
+
     with Run(run_dir, config=cfg, config_name="all_config.yaml", total_steps=n) as run:
         restored = run.restore(abstract_like(state))      # None on a fresh run
         for step ...:
-            state, loss = train_step(state, batch)
-            run.check_finite(step, loss)                  # NaN/Inf: stop, naming the last good checkpoint
-            run.log(step, {"train/loss": loss})           # process 0: bar, metrics.jsonl, wandb, tensorboard
+            state, outputs = train_step(state, batch)     # device arrays: the host does not wait for them
+            run.record(step, outputs, read)
             run.save(step, state, meta={"data": loader.state_dict()})   # asynchronous, atomic, sharded
 
 The run folder holds the config snapshot, `metrics.jsonl`, `learning_curves.png` (written at close) and
-`jaxport_checkpoints/<step>` (orbax). Leaving the `with` block, by any path (an error, Ctrl-C, SIGTERM),
-waits for saves in flight and stops orbax's threads, so no half-written checkpoint or stray traceback
-is left behind.
+`jaxport_checkpoints/<step>` (orbax). A step's outputs are read from the devices once the next step is
+under way (`record`), so the host never waits for the step it has just started; every recorded step is
+read, checked and logged in order before a checkpoint is written, a metric is logged directly, or the
+run closes. Leaving the `with` block, by any path (an error, Ctrl-C, SIGTERM), waits for saves in flight
+and stops orbax's threads, so no half-written checkpoint or stray traceback is left behind.
 """
 
-import contextlib
-import importlib
 import math
 import signal
 import sys
 import threading
+import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import yaml
 from etils import epath
 from tqdm import tqdm
@@ -30,7 +36,7 @@ from tqdm import tqdm
 from jaxport.checkpoint.runs import RunCheckpoints
 from jaxport.distributed import fetch_replicated
 from jaxport.errors import JaxportError
-from jaxport.training.metrics_log import MetricsLog, pyplot
+from jaxport.training.metrics_log import MetricsLog
 
 CHECKPOINT_SUBDIR = "jaxport_checkpoints"
 
@@ -40,12 +46,33 @@ def run_checkpoints(run_dir, **kwargs) -> RunCheckpoints:
     return RunCheckpoints(epath.Path(run_dir) / CHECKPOINT_SUBDIR, **kwargs)
 
 
+def restore_params(run_dir, params, step: int | None = None):
+    """(params, meta) of a run's checkpoint (the newest intact one, or `step`) on the first device, whatever mesh
+    the run trained on: the weights alone, to sample, evaluate or export them. `params` gives their structure,
+    shapes and dtypes (arrays or `jax.ShapeDtypeStruct`s), or is a function of the checkpoint's meta that returns
+    them. None when the run folder holds no checkpoint."""
+    if not (epath.Path(run_dir) / CHECKPOINT_SUBDIR).is_dir():
+        return None
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def wanted(meta):
+        tree = params(meta) if callable(params) else params
+        return {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)}
+
+    with run_checkpoints(run_dir, keep_last=None) as checkpoints:
+        if checkpoints.latest_step() is None:
+            return None
+        state, meta = checkpoints.restore(wanted, step=step, partial=True)
+    return state["params"], meta
+
+
 class Run:
     """The run folder, its config snapshot, process-0 logging, checkpoints and the finite-loss check.
 
     `keep_last` newest checkpoints are kept (None: all) plus every `keep_every`-th step. `loggers` is any of
-    jsonl, wandb, tensorboard. `shown` picks the metric suffixes the progress bar displays; without `progress`
-    there is no bar and messages go to stdout."""
+    jsonl, wandb, tensorboard. `shown` names the training metrics the progress bar displays (`lm_loss` shows
+    `train/lm_loss`); without `progress` there is no bar and messages go to stdout. Recorded steps are read
+    `read_every` at a time (`record`)."""
 
     def __init__(
         self,
@@ -60,8 +87,9 @@ class Run:
         keep_every: int | None = None,
         project: str | None = None,
         name: str | None = None,
-        shown=("lm_loss", "loss", "accuracy"),
+        shown=(),
         progress: bool = True,
+        read_every: int = 1,
     ):
         self.dir = epath.Path(run_dir)
         self.is_main = jax.process_index() == 0
@@ -74,8 +102,11 @@ class Run:
         self._log_options = dict(loggers=tuple(loggers), project=project, name=name, shown=shown, progress=progress)
         self.checkpoints = run_checkpoints(self.dir, keep_last=keep_last, keep_every=keep_every, warn=self.warn)
         self.metrics: MetricsLog | None = None
+        self.read_every = read_every
+        self._recorded: list[tuple[int, object, Callable]] = []  # (step, device outputs, read) not read yet
         self._previous_sigterm = None
-        self._import_thread = None
+        self._closed, self._png = False, None
+        self._import_ahead = None
 
     # ----- lifetime
 
@@ -87,7 +118,11 @@ class Run:
 
     def __exit__(self, exc_type, *exc) -> None:
         try:
-            self.close()
+            try:
+                if exc_type is None:
+                    self.flush()  # a step that went non-finite still stops the run, before its end is reported
+            finally:
+                self.close()
         except Exception:
             if exc_type is None:  # else the error that ended the block is the one to report
                 raise
@@ -117,40 +152,34 @@ class Run:
 
     def close(self):
         """Finish saves in flight, close the loggers, draw the learning curves; returns the PNG path. Each is
-        done even if one fails (a full disk), and the first failure is raised."""
-        failures, png = [], None
+        done even if one fails (a full disk), and the first failure is raised. Closing again does nothing."""
+        if self._closed:
+            return self._png
+        self._closed = True
+        failures = []
         try:
             self.checkpoints.close()
         except Exception as err:
             failures.append(err)
         try:
-            png = self.metrics.close() if self.metrics is not None else None
+            self._png = self.metrics.close() if self.metrics is not None else None
         except Exception as err:
             failures.append(err)
         if failures:
             raise failures[0]
-        return png
+        return self._png
 
     def import_ahead(self, *modules: str) -> None:
-        """Import on a thread what the run will need later, so that its first save and its close do not wait
-        for it: matplotlib (the learning curves drawn at close) and `modules` (e.g. torch for nanoGPT's ckpt.pt).
-        Call it once the first step has compiled: while a step is traced the import's Python holds the GIL the
-        tracer needs, while a compiled step runs without it, on cores its small products leave partly idle (the
-        steps it overlaps still slow down: docs/performance.md, "Host work around the README run's steps").
-        Calls after the first do nothing, so a loop may call it after every step. A module that fails to import
-        fails again where it is used."""
-        if not self.is_main or self._import_thread is not None:
-            return
+        """Deprecated alias of `jaxport.gpt.train.ImportAhead` (the one loop that uses it), kept for one release."""
+        warnings.warn(
+            "Run.import_ahead is deprecated: use jaxport.gpt.train.ImportAhead", DeprecationWarning, stacklevel=2
+        )
+        if self._import_ahead is None:
+            from jaxport.gpt.train import ImportAhead
 
-        def import_all():
-            with contextlib.suppress(Exception):
-                pyplot()
-            for module in modules:
-                with contextlib.suppress(Exception):
-                    importlib.import_module(module)
-
-        self._import_thread = threading.Thread(target=import_all, name="jaxport-import-ahead", daemon=True)
-        self._import_thread.start()
+            self._import_ahead = ImportAhead(enabled=self.is_main)
+        self._import_ahead(*modules)
+        self._import_thread = self._import_ahead.thread
 
     # ----- checkpoints
 
@@ -167,6 +196,7 @@ class Run:
         """Start an asynchronous checkpoint of `state` (every process writes its own shards) with the JSON
         `meta` (data position, RNG state, ...); a step that is already saved is skipped. A state holding a
         NaN or infinity stops the run instead: no checkpoint is ever written with one."""
+        self.flush()
         if self.checkpoints.latest_step() == step:
             return
         non_finite = int(fetch_replicated(_count_non_finite(state)))
@@ -176,7 +206,32 @@ class Run:
 
     # ----- logging
 
+    def record(self, step: int, outputs, read: Callable[[int, object], dict | None]) -> None:
+        """Queue a step's `outputs` (device arrays, or trees of them) without waiting for them. Once `read_every`
+        later steps are queued they are read from the devices in one transfer (`fetch_replicated`), oldest first:
+        `read(step, host_outputs)` checks them (`check_finite`) and returns the metrics to log, or None."""
+        self._recorded.append((step, outputs, read))
+        if len(self._recorded) > self.read_every:
+            self._read(self._recorded[:-1])
+            del self._recorded[:-1]
+
+    def flush(self) -> None:
+        """Read every recorded step now (before an evaluation, a save, or the end of training)."""
+        recorded, self._recorded = self._recorded, []
+        self._read(recorded)
+
+    def _read(self, recorded: list) -> None:
+        if not recorded:
+            return
+        values = fetch_replicated([outputs for _, outputs, _ in recorded])
+        for (step, _, read), host in zip(recorded, values):
+            metrics = read(step, host)
+            if metrics is not None:
+                self.start_logging()
+                self.metrics.log(step, metrics)
+
     def log(self, step: int, metrics: dict) -> None:
+        self.flush()  # the steps recorded before come first
         self.start_logging()
         self.metrics.log(step, metrics)
 
@@ -194,11 +249,11 @@ class Run:
             tqdm.write(message, file=sys.stderr)
 
     def check_finite(self, step: int, value, what: str = "loss") -> None:
-        """Stop the run if `value` (a host number) is NaN or infinite, naming the step and the newest
+        """Stop the run if `value` (a host number, or numbers) is NaN or infinite, naming the step and the newest
         checkpoint, which is intact (saves of later, bad steps never start)."""
-        value = float(value)
-        if not math.isfinite(value):
-            self._stop(step, f"{what} is {value}")
+        for number in np.ravel(value):
+            if not math.isfinite(number):
+                self._stop(step, f"{what} is {float(number)}")
 
     def _stop(self, step: int, problem: str):
         self.checkpoints.wait()

@@ -9,6 +9,7 @@ non-finite loss before any later checkpoint is written.
 """
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -24,7 +25,6 @@ from jaxport import runtime
 from jaxport.checkpoint.runs import abstract_like
 from jaxport.checkpoint.torch_io import load_torch_file, save_torch_file
 from jaxport.distributed import (
-    fetch_replicated,
     local_rows,
     logical_sharding,
     make_mesh,
@@ -41,7 +41,7 @@ from jaxport.trm.data import PuzzleDataset, PuzzleDatasetMetadata
 from jaxport.trm.evaluate import evaluate, reduce_train_metrics
 from jaxport.trm.model import TRM, Buffer, Carry, loss_and_grad
 
-FLUSH_EVERY = 32  # steps whose metrics are read from the devices in one transfer
+READ_EVERY = 32  # steps whose metrics are read from the devices in one transfer
 
 
 @struct.dataclass
@@ -115,7 +115,6 @@ class Trainer:
         self.state = self._init_state(params, buffers)
         self.step = 0  # = state.step, kept on the host so that no step waits for the one before
         self.iteration = 0
-        self.pending = []  # (step, lr, device outputs) of steps whose metrics are not read yet
         self.run = Run(
             self.run_dir,
             config=config.model_dump(),
@@ -126,7 +125,8 @@ class Trainer:
             keep_every=config.keep_every,
             project=config.project_name,
             name=config.run_name,
-            shown=("lm_loss", "accuracy"),
+            shown=("lm_loss", "accuracy", "exact_accuracy"),
+            read_every=READ_EVERY,
         )
 
     # ----- set-up
@@ -225,24 +225,22 @@ class Trainer:
         args = (self.state, shard_batch(batch, self.mesh), np.float32(lr), np.float32(puzzle_lr))
         self.state, outputs = self._train_step(*args)
         self.step = step
-        self.pending.append((step, lr, outputs))
-        if len(self.pending) >= FLUSH_EVERY:
-            self.flush()
+        self.run.record(step, outputs, functools.partial(self._read_step, lr))
         return True
 
+    def _read_step(self, lr: float, step: int, out: dict) -> dict:
+        """A step's metrics, read from the devices: stop at a non-finite loss or weight, else what to log."""
+        self.run.check_finite(step, out["loss"])
+        if not out["weights_finite"]:
+            self.run.check_finite(
+                step, math.nan, what=f"the update (lr {lr:.3g}) made the weights non-finite: a weight"
+            )
+        reduced = reduce_train_metrics(out["metrics"], self.gbs)
+        return {f"train/{k}": v for k, v in reduced.items()} | {"train/lr": lr}
+
     def flush(self) -> None:
-        """Read the metrics of the steps run since the last flush (one transfer), stop at the first
-        non-finite loss or weight, and log every step's metrics."""
-        pending, self.pending = self.pending, []
-        outputs = fetch_replicated([out for _, _, out in pending])
-        for (step, lr, _), out in zip(pending, outputs):
-            self.run.check_finite(step, out["loss"])
-            if not out["weights_finite"]:
-                self.run.check_finite(
-                    step, math.nan, what=f"the update (lr {lr:.3g}) made the weights non-finite: a weight"
-                )
-            reduced = reduce_train_metrics(out["metrics"], self.gbs)
-            self.run.log(step, {f"train/{k}": v for k, v in reduced.items()} | {"train/lr": lr})
+        """Read, check and log the steps run since the last read (`Run.flush`)."""
+        self.run.flush()
 
     # ----- evaluation
 
