@@ -26,6 +26,16 @@ def pytest_configure(config):
         )
 
 
+def pytest_sessionstart(session):
+    """The test processes themselves compile without the persistent cache (the `jaxport` subprocesses keep it):
+    XLA:CPU's executable serialization for the cache write has aborted a test worker (a fatal error inside
+    `compilation_cache.put_executable_and_time`, seen once in a Fast-dLLM fixture test under load), and an abort
+    there takes every test of its module down with it."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def pytest_unconfigure(config):
     if getattr(config, "jaxport_xla_cache", None):
         shutil.rmtree(config.jaxport_xla_cache, ignore_errors=True)
