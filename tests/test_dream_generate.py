@@ -154,6 +154,30 @@ def test_random_algorithms(model, data, kwargs):
         assert np.asarray(a.n_transfer)[:, 0].tolist() == SETTINGS["entropy_s8"]["n_transfer_row0"]
 
 
+@pytest.mark.parametrize("fast", [{}, dict(block_length=8, cache="dual", threshold=[None, 0.6])])
+def test_sampling_settings_per_row(model, data, fast):
+    """Per-row settings and keys in one program: each row gets what it gets alone with its own settings and key;
+    top_p 1 and no top_k change nothing."""
+    inputs, _ = data
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    keys = jax.random.split(jax.random.key(3), 2)
+    rows = dict(temperature=[0.0, 0.8], top_p=[1.0, 0.9], top_k=[None, 20], alg_temp=[None, 0.5])
+    common = dict(max_new_tokens=16, steps=16, alg="maskgit_plus", return_dict_in_generate=False)
+    both = np.asarray(model.diffusion_generate(ids, mask, rng=keys, **rows, **common, **fast))
+    for b in range(2):
+        alone = {name: values[b] for name, values in {**rows, **fast}.items() if isinstance(values, list)}
+        settings = {**fast, **alone}
+        one = model.diffusion_generate(ids[b : b + 1], mask[b : b + 1], rng=keys[b : b + 1], **settings, **common)
+        np.testing.assert_array_equal(both[b], np.asarray(one)[0], err_msg=f"row {b}")
+    greedy = model.diffusion_generate(
+        ids[:1], mask[:1], **common, **{k: v for k, v in fast.items() if k != "threshold"}
+    )
+    neutral = dict(temperature=0.0, top_p=1.0, top_k=None) | ({"threshold": None} if fast else {})
+    same = model.diffusion_generate(ids[:1], mask[:1], **common, **{**fast, **neutral})
+    np.testing.assert_array_equal(np.asarray(greedy), np.asarray(same))
+    np.testing.assert_array_equal(both[0], np.asarray(greedy)[0])
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -203,7 +227,7 @@ def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
     inputs, _ = data
     p = prepare_generation(model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8)
     program = decoding_program(exact_loop, model, p.x_BN, static_argnames=("graphdef", "program"))
-    hlo = program.lower(*nnx.split(model), p.x_BN, p.valid_BN, p.key, p.program).compile().as_text()
+    hlo = program.lower(*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.program).compile().as_text()
     fused = [line for line in hlo.splitlines() if '"kind":"__ynn_fusion"' in line]
     assert fused, "no YNNPACK fusion in the decoding program"
     assert all("/dot_general" in line for line in fused), [line[:200] for line in fused if "/dot_general" not in line]

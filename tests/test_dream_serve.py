@@ -12,8 +12,13 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxport import dream
 
 MODEL = Path(__file__).parent / "fixtures" / "dream" / "tiny_bf16" / "model"
 NAME = "tiny-dream"
@@ -47,7 +52,7 @@ def start_server(log_path: Path, *options: str):
         stderr=log,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # start-up compiles every program of the start-up set
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
@@ -60,22 +65,32 @@ def start_server(log_path: Path, *options: str):
     raise AssertionError(f"the server did not start:\n{log_path.read_text()}")
 
 
+SMALL = ("--max-batch", "2", "--max-queue", "8", "--max-context", "128", "--prompt-buckets", "64")
+FAST = {"block_length": 4}  # 4 blocks of 4 tokens, 4 steps each
+FASTDLLM = {"block_length": 4, "cache": "dual", "schedule": "fastdllm", "alg": "entropy"}  # Fast-dLLM's own
+
+
+def _programs(*settings: dict) -> list[str]:
+    return [a for s in settings for a in ("--program", ",".join(f"{k}={v}" for k, v in s.items()))]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    # one prompt bucket and one canvas size: two programs (batch 1 and 2) compile at start-up
+    # one prompt bucket and one canvas size: the default program, FAST and FASTDLLM at batch 1 and 2 compile at
+    # start-up, and no other
+    process, url = start_server(log_path, *SMALL, "--max-tokens-buckets", "16", *_programs(FAST, FASTDLLM))
+    yield url, log_path
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def on_demand_server(tmp_path_factory):
+    """Compiles on first use (no start-up set compiled ahead) and at most one program beyond the start-up set."""
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
     process, url = start_server(
-        log_path,
-        "--max-batch",
-        "2",
-        "--max-queue",
-        "8",
-        "--max-context",
-        "128",
-        "--prompt-buckets",
-        "64",
-        "--max-tokens-buckets",
-        "16",
+        log_path, *SMALL, "--max-tokens-buckets", "16", "--no-warmup", "--compile-on-demand", "1"
     )
     yield url, log_path
     process.kill()
@@ -87,7 +102,18 @@ def client(url: str, **options) -> openai.OpenAI:
 
 
 def metrics(url: str) -> dict:
-    return httpx.get(f"{url}/metrics").json()
+    return httpx.get(f"{url}/metrics.json").json()
+
+
+def prometheus(url: str) -> dict:
+    """`/metrics` parsed by prometheus_client's own parser: {(name, labels as a sorted tuple): value}."""
+    response = httpx.get(f"{url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
 
 
 def wait_for(condition, seconds: float = 30):
@@ -108,10 +134,12 @@ def test_models_health_and_start_up_compilation(server):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     log = log_path.read_text()
     for batch in (1, 2):
-        assert (
-            f"compiling generation at start-up: batch {batch}, prompt 64 + 16 new tokens, alg entropy, steps 16, "
-            "temperature 0.0"
-        ) in log
+        for settings in (
+            "steps 16",
+            "block_length 4, steps 16",
+            "block_length 4, cache dual, schedule fastdllm, steps 16",
+        ):
+            assert f"at start-up: batch {batch}, prompt 64 + 16 new tokens, alg entropy, {settings}\n" in log
 
 
 def test_concurrent_clients_are_batched_and_greedy_text_does_not_depend_on_batching(server):
@@ -187,16 +215,14 @@ def test_chat_and_streaming(server):
 
 def test_block_wise_decoding_streams_each_block(server):
     url, log_path = server
-    fast = {"block_length": 4}  # 4 blocks of 4 tokens, 4 steps each
-    whole = complete(url, PROMPTS[1], extra_body=fast).choices[0]
-    chunks = [c.choices[0] for c in complete(url, PROMPTS[1], stream=True, extra_body=fast)]
+    whole = complete(url, PROMPTS[1], extra_body=FAST).choices[0]
+    chunks = [c.choices[0] for c in complete(url, PROMPTS[1], stream=True, extra_body=FAST)]
     texts = [c.text for c in chunks if c.text]
     assert "".join(texts) == whole.text and chunks[-1].finish_reason == whole.finish_reason
     assert len(texts) > 1  # sent block by block, not all at the end
     assert "block_length 4" in log_path.read_text()
-    fastdllm = {"block_length": 4, "cache": "dual", "schedule": "fastdllm", "alg": "entropy"}  # Fast-dLLM's own
-    whole = complete(url, PROMPTS[1], extra_body=fastdllm).choices[0]
-    streamed = [c.choices[0].text for c in complete(url, PROMPTS[1], stream=True, extra_body=fastdllm)]
+    whole = complete(url, PROMPTS[1], extra_body=FASTDLLM).choices[0]
+    streamed = [c.choices[0].text for c in complete(url, PROMPTS[1], stream=True, extra_body=FASTDLLM)]
     assert "".join(streamed) == whole.text and "schedule fastdllm" in log_path.read_text()
 
 
@@ -220,6 +246,13 @@ def test_block_wise_decoding_streams_each_block(server):
         ({"extra_body": {"stop": ["a", 3]}}, 400, "stop", "valid string"),
         ({"extra_body": {"max_tokns": 3}}, 400, "max_tokns", "unknown field"),
         ({"echo": True}, 400, "echo", "not supported"),
+        # program-shaping values outside the start-up set, with the allowed ones
+        ({"extra_body": {"steps": 8}}, 400, "steps", "steps=8 is not among the programs this server compiled"),
+        ({"extra_body": {"alg": "origin"}}, 400, "alg", "(allowed alg: entropy;"),
+        ({"extra_body": {"block_length": 8}}, 400, "block_length", "(allowed block_length: 4, None;"),
+        ({"extra_body": {"threshold": 0.9}}, 400, "threshold", "block_length=16 is not among the programs"),
+        ({"extra_body": {"block_length": 4, "cache": "prefix"}}, 400, "cache", "(allowed cache: None, dual;"),
+        ({"prompt": "<|mask|> is"}, 400, "prompt", "holds the mask token"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, options, status, param, message):
@@ -234,6 +267,8 @@ def test_bad_requests_get_openai_errors(server, options, status, param, message)
 
 def test_malformed_json_and_unknown_route(server):
     url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a " * (1 << 20)})
+    assert response.status_code == 413 and response.json()["error"]["param"] == "body", response.text
     response = httpx.post(f"{url}/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     response = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": []})
@@ -241,13 +276,101 @@ def test_malformed_json_and_unknown_route(server):
     assert httpx.get(f"{url}/v1/nothing").json()["error"]["type"] == "not_found_error"
 
 
-def test_seed_full_queue_and_disconnect(server):
-    url, log_path = server
-    # Sampling with a seed runs alone under the seed's key: the same seed gives the same text.
-    # Its new temperature compiles on first use, which also keeps the worker busy meanwhile.
+def test_sampling_settings_do_not_compile(server):
+    url, _ = server
+    before = metrics(url)
+    texts = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for (t, p, seed), answer in zip(
+            settings := [(t, p, seed) for t in (0.3, 0.9) for p in (0.5, 1.0) for seed in (1, 2)],
+            pool.map(lambda s: complete(url, PROMPTS[0], temperature=s[0], top_p=s[1], seed=s[2]), settings),
+        ):
+            texts[(t, p, seed)] = answer.choices[0].text
+    assert metrics(url)["compilations"] == before["compilations"] > 0
+    assert len(set(texts.values())) > 1  # the settings and seeds are used
+    # a seeded request gets the same text whatever it was batched with
+    assert complete(url, PROMPTS[0], temperature=0.9, top_p=0.5, seed=2).choices[0].text == texts[(0.9, 0.5, 2)]
+
+
+def test_prometheus_metrics(server):
+    url, _ = server
+    before = prometheus(url)
+    complete(url, PROMPTS[0])
+    with pytest.raises(openai.BadRequestError):
+        complete(url, PROMPTS[0], top_p=2)
+    after = prometheus(url)
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("jaxport_dream_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert grew("jaxport_dream_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert grew("jaxport_dream_time_to_first_block_seconds_count") == 1
+    assert grew("jaxport_dream_request_seconds_count") == 1
+    assert grew("jaxport_dream_decoding_steps_sum") == 16  # steps = the 16 new tokens, one program call
+    assert grew("jaxport_dream_generated_tokens_total") > 0
+    # start-up compiled 3 programs at 2 batch sizes; nothing since
+    assert after[("jaxport_dream_compilations_total", (("set", "start-up"),))] == 6
+    assert after[("jaxport_dream_compilations_total", (("set", "on demand"),))] == 0
+    assert after[("jaxport_dream_compile_seconds_total", (("set", "start-up"),))] > 0
+    assert after[("jaxport_dream_compiled_programs", ())] == 6
+    for gauge in ("queue_rows", "running_rows", "batch_occupancy"):
+        assert after[(f"jaxport_dream_{gauge}", ())] == 0  # idle
+
+
+def _library_text(model, tokenizer, prompt: str, max_tokens: int, new_tokens: int, seed, **settings) -> str:
+    """What `diffusion_generate` gives for one request alone (no padding), cut as the server cuts it."""
+    ids = np.array([tokenizer.encode(prompt)])
+    rng = None if seed is None else jax.random.key(seed)
+    sequences = dream.diffusion_generate(
+        model, ids, np.ones_like(ids), max_new_tokens=new_tokens, rng=rng, return_dict_in_generate=False, **settings
+    )
+    span = np.asarray(sequences)[:, ids.shape[1] : ids.shape[1] + max_tokens]
+    return tokenizer.decode_generation(span, 0)[0]
+
+
+def test_replies_equal_the_library_alone(server):
+    """Concurrent requests with different prompts, max_tokens, temperatures (greedy and seeded) and fast settings:
+    every reply is what `diffusion_generate` gives for the same request alone."""
+    url, _ = server
+    requests = []
+    for i, (prompt, extra) in enumerate(
+        [
+            (p, e)
+            for p in PROMPTS
+            for e in ({}, FAST, {**FAST, "threshold": 0.5}, FASTDLLM, {**FASTDLLM, "threshold": 0.6})
+        ]
+    ):
+        temperature, seed = [(0.0, None), (0.8, 11 + i), (1.2, 5)][i % 3]
+        top_p = (None, 0.9)[i % 2] if temperature else None
+        requests.append((prompt, (16, 9)[i % 2], dict(temperature=temperature, top_p=top_p, seed=seed), extra))
+
+    def send(request):
+        prompt, max_tokens, options, extra = request
+        return complete(url, prompt, max_tokens=max_tokens, extra_body=extra, **options).choices[0].text
+
+    before = metrics(url)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(send, requests))
+    after = metrics(url)
+    assert after["compilations"] == before["compilations"] and max(map(int, after["batch_requests"])) > 1
+    model, tokenizer = dream.load(MODEL, dtype="float32")
+    for (prompt, max_tokens, options, extra), reply in zip(requests, replies, strict=True):
+        settings = {"steps": 16, "alg": "entropy", **extra, **{k: v for k, v in options.items() if k != "seed"}}
+        expected = _library_text(model, tokenizer, prompt, max_tokens, 16, options["seed"], **settings)
+        assert reply == expected, (prompt, max_tokens, options, extra)
+
+
+def test_seed_full_queue_disconnect_and_compile_on_demand(on_demand_server):
+    url, log_path = on_demand_server
+    # steps=8 is outside the start-up set: --compile-on-demand 1 compiles it on first use, which also keeps the
+    # worker busy meanwhile. Sampling with a seed: the same seed gives the same text.
     sampled = {}
     thread = threading.Thread(
-        target=lambda: sampled.update(first=complete(url, PROMPTS[0], temperature=1.0, seed=7).choices[0].text)
+        target=lambda: sampled.update(
+            first=complete(url, PROMPTS[0], temperature=1.0, seed=7, extra_body={"steps": 8}).choices[0].text
+        )
     )
     thread.start()
     wait_for(lambda: metrics(url)["running_rows"] == 1)
@@ -268,14 +391,23 @@ def test_seed_full_queue_and_disconnect(server):
     assert [len(r.choices) for r in results if r not in rejected] == [2, 2, 2, 2]
     thread.join()
 
-    assert complete(url, PROMPTS[0], temperature=1.0, seed=7).choices[0].text == sampled["first"]
-    assert complete(url, PROMPTS[0], temperature=1.0, seed=8).choices[0].text != sampled["first"]
-    log = log_path.read_text()
+    before = metrics(url)
     assert (
-        "compiling generation on first use: batch 1, prompt 64 + 16 new tokens, alg entropy, steps 16, temperature 1.0"
-        in log
+        complete(url, PROMPTS[0], temperature=1.0, seed=7, extra_body={"steps": 8}).choices[0].text == sampled["first"]
     )
+    assert (
+        complete(url, PROMPTS[0], temperature=1.0, seed=8, extra_body={"steps": 8}).choices[0].text != sampled["first"]
+    )
+    assert metrics(url)["compilations"] == before["compilations"]  # kept
+    log = log_path.read_text()
+    assert "compiling generation on first use: batch 1, prompt 64 + 16 new tokens, alg entropy, steps 8\n" in log
     assert "client disconnected" in log
+    # a second program beyond the start-up set evicts the first (least recently used): it compiles again
+    complete(url, PROMPTS[0], extra_body={"steps": 4})
+    complete(url, PROMPTS[0], extra_body={"steps": 8})
+    after = metrics(url)
+    assert after["compilations_on_demand"] - before["compilations_on_demand"] == 2, after
+    assert after["compiled_programs"] == before["compiled_programs"]
 
 
 def _try(call):
@@ -315,3 +447,91 @@ def _refused(url: str) -> bool:
         return False
     except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return True
+
+
+CONTINUOUS = {"block_length": 4, "cache": "dual"}
+
+
+@pytest.fixture(scope="module")
+def continuous_server(tmp_path_factory):
+    """Continuous batching: block-wise dual-cache rows of 16 or 128 new tokens share one running batch of 4 rows."""
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    process, url = start_server(
+        log_path,
+        *("--max-batch", "4", "--max-queue", "16", "--max-context", "192", "--prompt-buckets", "64"),
+        *("--max-tokens-buckets", "16,128", "--batching", "continuous", "--block-length", "4", "--cache", "dual"),
+    )
+    yield url, log_path
+    process.kill()
+    process.wait()
+
+
+def _long_prompt(url: str) -> str:
+    """A prompt whose 128 greedy tokens hold no end-of-text (so its row runs all 32 blocks)."""
+    for prompt in PROMPTS:
+        if complete(url, prompt, max_tokens=128).choices[0].finish_reason == "length":
+            return prompt
+    pytest.fail("every prompt ends early on the fixture model")
+
+
+def test_continuous_batching_starts_a_request_while_a_long_one_runs(continuous_server):
+    url, log_path = continuous_server
+    long_prompt = _long_prompt(url)
+    before = metrics(url)
+    stamps, short = [], {}
+    stream = complete(url, long_prompt, max_tokens=128, stream=True)
+    for _ in stream:
+        stamps.append(time.monotonic())
+        if len(stamps) == 1:  # the long one's first block is out: a short request joins at a block boundary
+            thread = threading.Thread(
+                target=lambda: short.update(
+                    text=[c.choices[0].text for c in complete(url, PROMPTS[3], stream=True)], done=time.monotonic()
+                )
+            )
+            thread.start()
+    thread.join()
+    assert short["done"] < stamps[-1], "the short request waited for the long one"
+    assert "".join(short["text"]) == complete(url, PROMPTS[3]).choices[0].text
+    after = metrics(url)
+    assert after["compilations"] == before["compilations"] and after["errors"] == 0
+    assert (
+        "at start-up: running batch 4, prompt 64 + 128 new tokens, alg entropy, block_length 4" in log_path.read_text()
+    )
+
+
+def test_continuous_batching_frees_a_gone_clients_row_at_the_next_boundary(continuous_server):
+    url, _ = continuous_server
+    long_prompt = _long_prompt(url)
+    before = metrics(url)
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": NAME, "prompt": long_prompt, "max_tokens": 128, "stream": True},
+        timeout=60,
+    ) as response:
+        next(response.iter_lines())  # its first block
+    wait_for(lambda: metrics(url)["cancelled"] == before["cancelled"] + 1 and metrics(url)["running_rows"] == 0)
+    # its row left before its 32 blocks ran
+    assert metrics(url)["block_calls"] - before["block_calls"] < 32
+
+
+def test_continuous_batching_replies_equal_the_library_alone(continuous_server):
+    url, _ = continuous_server
+    requests = []
+    for i, prompt in enumerate(PROMPTS[1:3] * 4):  # two prompt lengths
+        temperature, seed = [(0.0, None), (0.7, 40 + i), (0.0, None), (1.1, 3)][i % 4]
+        extra = {"threshold": 0.5} if i % 3 == 1 else {}
+        requests.append((prompt, (128, 16, 10, 40)[i % 4], dict(temperature=temperature, seed=seed), extra))
+
+    def send(request):
+        prompt, max_tokens, options, extra = request
+        return complete(url, prompt, max_tokens=max_tokens, extra_body=extra, **options).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(send, requests))
+    model, tokenizer = dream.load(MODEL, dtype="float32")
+    for (prompt, max_tokens, options, extra), reply in zip(requests, replies, strict=True):
+        new_tokens = 16 if max_tokens <= 16 else 128
+        settings = {"steps": new_tokens, "alg": "entropy", **CONTINUOUS, **extra, "temperature": options["temperature"]}
+        expected = _library_text(model, tokenizer, prompt, max_tokens, new_tokens, options["seed"], **settings)
+        assert reply == expected, (prompt, max_tokens, options, extra)

@@ -206,6 +206,14 @@ def _sizes(text: str, flag: str) -> tuple[int, ...]:
         raise JaxportError(f"{flag} {text!r}: expected comma-separated integers, e.g. 64,256") from None
 
 
+def _program(text: str) -> tuple:
+    """`--program NAME=VALUE,...` as (name, value) pairs (values checked by the settings model)."""
+    pairs = [part.split("=", 1) for part in text.split(",") if part]
+    if not pairs or any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise JaxportError(f"--program {text!r}: expected NAME=VALUE pairs separated by commas, e.g. block_length=32")
+    return tuple((name.strip(), value.strip()) for name, value in pairs)
+
+
 def serve(args) -> int:
     from jaxport import dream
     from jaxport.dream.serve import ServeSettings
@@ -222,6 +230,10 @@ def serve(args) -> int:
         default_max_tokens=args.default_max_tokens,
         alg=args.alg,
         fast=tuple((name, value) for name, value in _fast_args(args).items() if value is not None),
+        programs=tuple(_program(text) for text in args.program),
+        compile_on_demand=args.compile_on_demand,
+        batching=args.batching,
+        max_body_bytes=args.max_body_bytes,
     )
     if args.compile_for:
         return _compile_serve(args, settings)
@@ -300,13 +312,12 @@ def _generation_program(model, tokenizer, texts: list[str], prompt_len: int, tit
     """The decoding program `diffusion_generate` compiles for these prompts (a full batch) and settings."""
     from jaxport.dream.decoding import decoding_target
     from jaxport.dream.program import prepare_generation
-    from jaxport.runtime.compile_for import Program, abstract
+    from jaxport.runtime.compile_for import Program
 
     input_ids, attention_mask = tokenizer(texts, pad_to=prompt_len)
+    # the rows' keys and sampling settings are placed as the canvas is, by `_AbstractCanvas.place_batch`
     prepared = prepare_generation(_AbstractCanvas(model), input_ids, attention_mask, **generation)
-    key = prepared.key
-    key = abstract(jax.eval_shape(lambda: key), jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec()))
-    program, arguments = decoding_target(model, dataclasses.replace(prepared, key=key))
+    program, arguments = decoding_target(model, prepared)
     return Program(title, program, arguments, model.mesh, flag)
 
 
@@ -573,6 +584,33 @@ def main(argv: list[str] | None = None) -> int:
         "--no-warmup",
         action="store_true",
         help="compile on first use only (default: the default settings' shapes at start-up)",
+    )
+    srv.add_argument(
+        "--program",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE,...",
+        help="one more combination of program settings (steps, alg, eps, block_length, cache, schedule; threshold "
+        "for block-wise decoding) compiled at start-up over the defaults, e.g. block_length=32,cache=dual; repeat "
+        "for more. Requests may choose any of these; other values get HTTP 400",
+    )
+    srv.add_argument(
+        "--compile-on-demand",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compile programs outside the start-up set for the requests that ask for them, keeping at most N "
+        "(least recently used evicted; default 0: such requests get HTTP 400)",
+    )
+    srv.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="longest request body accepted (more: HTTP 413)"
+    )
+    srv.add_argument(
+        "--batching",
+        default="static",
+        choices=("static", "continuous"),
+        help="static: a batch runs to the end of its longest row; continuous: block-wise requests with the dual "
+        "cache join and leave a running batch at block boundaries (the others keep static batching)",
     )
     _add_fast(srv)  # defaults for requests that do not set them
     _add_compile_for(srv, "the programs the server compiles at start-up")

@@ -7,7 +7,7 @@ from jaxport.dream.program import Prepared, prepare_generation
 
 
 def diffusion_generate(
-    model, input_ids, attention_mask=None, *, return_dict_in_generate: bool = True, **generation_args
+    model, input_ids, attention_mask=None, *, return_dict_in_generate: bool = True, programs=None, **generation_args
 ):
     """Generate with upstream's semantics: the canvas is `input_ids` followed by mask tokens up to
     `max_length` (or `max_new_tokens` more). No eos handling: every position is filled.
@@ -24,8 +24,13 @@ def diffusion_generate(
     Hooks are traced JAX functions: `generation_tokens_hook_func(step, x, logits) -> x` runs once
     before the loop (step and logits None) and after every step; `generation_logits_hook_func(step,
     x, logits) -> logits` sees the shifted logits `[B, N, V]` before sampling. `progress(step, x)` is
-    called on the host after each step. `rng` seeds the random draws (origin, temperature > 0,
-    alg_temp > 0); the default is `jax.random.key(0)`.
+    called on the host after each step.
+
+    The sampling settings `temperature`, `top_p`, `top_k`, `alg_temp` and `threshold` are one value for every
+    row or a list of one per row (`temperature=[0, 0.7]`); they are inputs of the compiled program, so other
+    values run the same program. `rng` seeds the random draws (origin, temperature > 0, alg_temp > 0): one key
+    (the default is `jax.random.key(0)`), row b drawing from `fold_in(rng, b)`, or one key per row (`[B]`). A
+    row's draws depend on its key and settings only, not on the other rows of the batch.
 
     Fast decoding (Fast-dLLM; see `jaxport.dream.fast`): `block_length` generates the new tokens in
     blocks of that many, left to right; `cache` ("prefix" or "dual") keeps an approximate KV cache
@@ -35,12 +40,15 @@ def diffusion_generate(
     Any of them selects the block-wise path (`block_length` defaults to all new tokens); without them this
     is the exact path. Block-wise, the logits hook is not available, the tokens hook gets `logits=None`,
     and a block whose masks are all filled ends early (its remaining steps are recorded as unchanged).
+
+    `programs` compiles and runs the decoding loop: jax.jit's own cache by default (`program.JitPrograms`), or a
+    server's registry of compiled programs (`jaxport.dream.scheduler.CompiledPrograms`).
     """
     prepared = prepare_generation(model, input_ids, attention_mask, **generation_args)
     if prepared.program.blockwise:
-        output = blocks_output(run_blocks(model, prepared))
+        output = blocks_output(run_blocks(model, prepared, programs))
     else:
-        output = run_exact(model, prepared)
+        output = run_exact(model, prepared, programs)
     return output if return_dict_in_generate else output.sequences
 
 

@@ -11,14 +11,30 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxport.dream.program import GenerationOutput, Prepared, Program, decoding_program, padding_inputs, record
-from jaxport.dream.sampling import masked_scores, sample_tokens, transfer_ratios, unmask
+from jaxport.dream.program import (
+    GenerationOutput,
+    JitPrograms,
+    Prepared,
+    Program,
+    decoding_program,
+    padding_inputs,
+    record,
+)
+from jaxport.dream.sampling import Rows, masked_scores, sample_tokens, transfer_ratios, unmask
 
 
-def exact_loop(graphdef, state, x_BN, valid_BN, key, program: Program):
+def step_keys(keys_B, index):
+    """Each row's (sampling, selection) keys of one step: `split(fold_in(key, index))` of its own key (`index`
+    one for the batch, or one per row)."""
+    index_B = jnp.broadcast_to(index, keys_B.shape)
+    both = jax.vmap(lambda key, i: jax.random.split(jax.random.fold_in(key, i)))(keys_B, index_B)
+    return both[:, 0], both[:, 1]
+
+
+def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Program):
     """The whole decoding: `(sequences, records)`."""
     model = nnx.merge(graphdef, state)
-    settings, row, first, mask_id = program.settings, program.row, program.first, program.mask_token_id
+    settings, first, mask_id = program.settings, program.first, program.mask_token_id
     B, N = x_BN.shape
     mask, position_ids = padding_inputs(valid_BN, B, N)
     ratios = jnp.asarray(transfer_ratios(settings.steps, settings.eps))
@@ -34,20 +50,21 @@ def exact_loop(graphdef, state, x_BN, valid_BN, key, program: Program):
         def hidden_at(index_BW):
             return hidden_at_rows(jnp.maximum(index_BW + first - 1, 0))
 
-        sample_key, select_key = jax.random.split(jax.random.fold_in(key, step))
+        sample_keys, select_keys = step_keys(keys_B, step)
         logits = None
         if hooks:
-            logits = model.head(hidden_at(jnp.broadcast_to(jnp.arange(N - first), (B, N - first))))
+            window_BW = jnp.broadcast_to(jnp.arange(N - first), (B, N - first))
+            logits = model.head(hidden_at(window_BW))
             if program.logits_hook is not None:
                 logits = program.logits_hook(step, x_BN, logits)
-            scores = sample_tokens(logits, sample_key, settings.alg, row)
+            scores = sample_tokens(logits, sample_keys, window_BW, settings.alg, rows)
         else:
-            scores = masked_scores(model.head, hidden_at, x_BN[:, first:] == mask_id, sample_key, settings.alg, row)
+            scores = masked_scores(model.head, hidden_at, x_BN[:, first:] == mask_id, sample_keys, settings.alg, rows)
         # The count is shared by the batch: masks per row on average, truncated as int() does.
         num_mask = jnp.sum(x_BN == mask_id).astype(jnp.float32) / jnp.float32(B)
         n = jnp.floor(num_mask * ratios[step]).astype(jnp.int32)
         window, confidence, x0, n_transfer = unmask(
-            x_BN[:, first:], scores, select_key, n, ratios[step], alg=settings.alg, row=row, mask_token_id=mask_id
+            x_BN[:, first:], scores, select_keys, n, ratios[step], alg=settings.alg, rows=rows, mask_token_id=mask_id
         )
         x_BN = jax.lax.dynamic_update_slice_in_dim(x_BN, window, first, axis=1)
         if program.tokens_hook is not None:
@@ -71,10 +88,13 @@ def exact_loop(graphdef, state, x_BN, valid_BN, key, program: Program):
 def exact_target(model, prepared: Prepared) -> tuple:
     """`(jitted program, arguments)` of the exact path's whole loop (also what `--compile-for` compiles)."""
     program = decoding_program(exact_loop, model, prepared.x_BN, static_argnames=("graphdef", "program"))
-    return program, (*nnx.split(model), prepared.x_BN, prepared.valid_BN, prepared.key, prepared.program)
+    p = prepared
+    return program, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.program)
 
 
-def run_exact(model, prepared: Prepared) -> GenerationOutput:
-    program, arguments = exact_target(model, prepared)
-    sequences, records = program(*arguments)
+def run_exact(model, prepared: Prepared, programs=None) -> GenerationOutput:
+    """The exact decoding of `prepared`, compiled and run by `programs` (default `JitPrograms`)."""
+    programs = JitPrograms(model) if programs is None else programs
+    p = prepared
+    sequences, records = programs(exact_loop, {"program": p.program}, p.x_BN, p.valid_BN, p.keys_B, p.rows)
     return GenerationOutput(sequences=sequences, **records)

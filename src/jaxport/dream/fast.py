@@ -33,7 +33,8 @@ Ties among exactly equal scores go to the leftmost position (`sampling.unmask`).
 
 The steps of a block are one compiled `while_loop`. Blocks are calls of that program: compiled once for all
 blocks, or once per block index for the prefix cache (its window shrinks from block to block), so a caller can
-stream each finished block (`generate_blocks`).
+stream each finished block (`generate_blocks`). Without the prefix cache every row may be at a block of its own
+(`block` one index per row): a continuous batch (`jaxport.dream.engine`) runs rows that joined at different times.
 """
 
 import dataclasses
@@ -45,9 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxport.dream.exact import step_keys
 from jaxport.dream.program import (
     RECORDS,
     GenerationOutput,
+    JitPrograms,
     Prepared,
     Program,
     decoding_program,
@@ -55,8 +58,8 @@ from jaxport.dream.program import (
     prepare_generation,
     record,
 )
-from jaxport.dream.sampling import Scores, masked_scores, sample_tokens, transfer_ratios, unmask
-from jaxport.nn import take_rows
+from jaxport.dream.sampling import Rows, Scores, masked_scores, sample_tokens, transfer_ratios, unmask
+from jaxport.nn import take_rows, window_at, write_at
 
 
 @dataclasses.dataclass
@@ -68,6 +71,7 @@ class FinishedBlock:
     start: int
     end: int
     output: GenerationOutput
+    steps: jax.Array | None = None  # the denoising steps the block took (a block ends once no row has a mask)
 
     @property
     def tokens(self) -> jax.Array:
@@ -75,33 +79,36 @@ class FinishedBlock:
         return self.output.sequences[:, self.start : self.end]
 
 
-def _block(graphdef, state, x_BN, valid_BN, key, block, program: Program, refresh: bool):
-    """Run the steps of block `block` (static for the prefix cache, traced otherwise) on the canvas. `refresh`
-    (for tests) rebuilds the cache from the current canvas before every cached step."""
+def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: Program, refresh: bool):
+    """Run the steps of block `block` on the canvas: `(canvas, records, steps run)`. `block` is one index for the
+    batch (static for the prefix cache, traced otherwise) or one per row (`[B]`: the rows of a continuous batch,
+    each at its own block; not with the prefix cache, whose window shape depends on the block). `refresh` (for
+    tests) rebuilds the cache from the current canvas before every cached step."""
     model = nnx.merge(graphdef, state)
-    settings, row, mask_id = program.settings, program.row, program.mask_token_id
+    settings, mask_id = program.settings, program.mask_token_id
     B, N = x_BN.shape
     width, cache_kind, fastdllm = settings.block_length, settings.cache, settings.schedule == "fastdllm"
-    steps = program.block_steps(N - program.first)
-    start = program.first + block * width
+    steps, schedule_steps = program.block_steps(N - program.first), program.steps_per_block(N - program.first)
+    start = program.first + block * width  # one canvas position, or one per row
+    start_B1 = jnp.reshape(start, (-1, 1))
     mask, position_ids = padding_inputs(valid_BN, B, N)
-    # the schedule of `steps / blocks` steps (unread under Fast-dLLM's threshold, whose budget may be longer)
-    ratios = jnp.asarray(transfer_ratios(settings.steps // ((N - program.first) // width), settings.eps))
+    ratios = jnp.asarray(transfer_ratios(schedule_steps, settings.eps))
     lead = 0 if fastdllm else 1  # the cached windows start this many positions before the block
     # block position j is scored from window row j + lead - 1 (Fast-dLLM: the first from itself)
     scoring_rows = np.maximum(np.arange(width) + lead - 1, 0)
+    with_threshold_B1 = jnp.isfinite(rows.threshold)[:, None]
 
     def full_forward(x_BN):
         """(hidden states predicting the block, the cache) from the whole canvas."""
         h_BND, cache = model.hidden_states_cached(x_BN, mask, position_ids)
-        return jax.lax.dynamic_slice_in_dim(h_BND, start - 1, width, axis=1), cache
+        return window_at(h_BND, start - 1, width), cache
 
     def cached_forward(x_BN, cache):
         if refresh:
             cache = full_forward(x_BN)[1]
         begin = start - lead
         size = width + lead if cache_kind == "dual" else N - begin  # the block, or the block and the suffix
-        ids_BS, positions_BS = (jax.lax.dynamic_slice_in_dim(a, begin, size, axis=1) for a in (x_BN, position_ids))
+        ids_BS, positions_BS = (window_at(a, begin, size) for a in (x_BN, position_ids))
         h_BSD, _ = model.hidden_states_cached(ids_BS, valid_BN, positions_BS, cache, begin)
         return h_BSD[:, scoring_rows], cache
 
@@ -110,35 +117,44 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, program: Program, refres
         exact path: the last layer's queries and MLP run at the positions scored only."""
         if cache_kind is None:
             hidden_at_rows = model.hidden_states_at(x_BN, mask, position_ids)
-            return (lambda index_BW: hidden_at_rows(index_BW + start - 1)), None
+            return (lambda index_BW: hidden_at_rows(index_BW + start_B1 - 1)), None
         h_BWD, cache = jax.lax.cond(step == 0, lambda: full_forward(x_BN), lambda: cached_forward(x_BN, cache))
         return functools.partial(take_rows, h_BWD), cache
 
     def in_block(a_BN):
-        return jax.lax.dynamic_slice_in_dim(a_BN, start, width, axis=1)
+        return window_at(a_BN, start, width)
 
     def on_canvas(values_BW, fill):
-        return jax.lax.dynamic_update_slice_in_dim(jnp.full((B, N), fill, values_BW.dtype), values_BW, start, axis=1)
+        return write_at(jnp.full((B, N), fill, values_BW.dtype), values_BW, start)
 
-    def transfer_count(is_mask_BW, step):
+    def transfer_count(is_mask_BW, step, active_B1):
         """How many of each row's masks the ranking unmasks at this step, `[B, 1]`."""
         masks_B1 = jnp.sum(is_mask_BW, axis=-1, keepdims=True).astype(jnp.float32)
-        if fastdllm and row.threshold is not None:
-            return jnp.zeros((B, 1), jnp.int32)  # the threshold rule alone decides
-        if fastdllm:  # one count for the batch: its average number of masks in the block
-            masks_B1 = jnp.broadcast_to(jnp.sum(masks_B1) / jnp.float32(B), (B, 1))
-        return jnp.floor(masks_B1 * ratios[step]).astype(jnp.int32)
+        ratio = ratios[jnp.minimum(step, schedule_steps - 1)]
+        if fastdllm:
+            # Fast-dLLM's threshold rule alone decides for a row with a threshold; the others share one count, the
+            # schedule's share of their average number of masks in the block (rows with a block to decode)
+            sharing = active_B1 & ~with_threshold_B1
+            average = jnp.sum(jnp.where(sharing, masks_B1, 0)) / jnp.maximum(jnp.sum(sharing), 1).astype(jnp.float32)
+            return jnp.where(with_threshold_B1, 0, jnp.floor(average * ratio).astype(jnp.int32))
+        return jnp.floor(masks_B1 * ratio).astype(jnp.int32)
 
-    def unmask_ranked(window_BW, hidden_at, step, sample_key, select_key):
+    def unmask_ranked(window_BW, hidden_at, step, sample_keys, select_keys, active_B1):
         is_mask = window_BW == mask_id
-        scores = masked_scores(model.head, hidden_at, is_mask, sample_key, settings.alg, row)
-        n = transfer_count(is_mask, step)
-        return unmask(window_BW, scores, select_key, n, ratios[step], alg=settings.alg, row=row, mask_token_id=mask_id)
+        scores = masked_scores(model.head, hidden_at, is_mask, sample_keys, settings.alg, rows)
+        n = transfer_count(is_mask, step, active_B1)
+        p_transfer = ratios[jnp.minimum(step, schedule_steps - 1)]
+        return unmask(window_BW, scores, select_keys, n, p_transfer, alg=settings.alg, rows=rows, mask_token_id=mask_id)
 
-    def fix_first_position(window_BW, hidden_at, sample_key):
+    def fix_first_position(window_BW, hidden_at, sample_keys):
         """Fast-dLLM's first step of a block: the candidate at the block's first position, written there."""
-        logits = model.head(hidden_at(jnp.zeros((B, 1), jnp.int32)))
-        scores = Scores(*(a[:, 0] for a in sample_tokens(logits, sample_key, settings.alg, row)))
+        first_BS = jnp.zeros((B, 1), jnp.int32)
+        scores = Scores(
+            *(
+                a[:, 0]
+                for a in sample_tokens(model.head(hidden_at(first_BS)), sample_keys, first_BS, settings.alg, rows)
+            )
+        )
         was_mask = window_BW[:, 0] == mask_id
         window_BW = window_BW.at[:, 0].set(jnp.where(was_mask, scores.x0, window_BW[:, 0]))
         first_only = jnp.arange(width) == 0
@@ -147,19 +163,21 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, program: Program, refres
         return window_BW, confidence.astype(scores.confidence.dtype), x0, was_mask.astype(jnp.int32)
 
     def body(carry):
-        step, x_BN, cache, records = carry
-        sample_key, select_key = jax.random.split(jax.random.fold_in(key, block * steps + step))
+        step, x_BN, cache, records, active_B1 = carry
+        sample_keys, select_keys = step_keys(keys_B, block * steps + step)
         hidden_at, cache = forward(x_BN, cache, step)
         window = in_block(x_BN)
         if fastdllm:
             window, confidence, x0, n_transfer = jax.lax.cond(
                 step == 0,
-                lambda: fix_first_position(window, hidden_at, sample_key),
-                lambda: unmask_ranked(window, hidden_at, step, sample_key, select_key),
+                lambda: fix_first_position(window, hidden_at, sample_keys),
+                lambda: unmask_ranked(window, hidden_at, step, sample_keys, select_keys, active_B1),
             )
         else:
-            window, confidence, x0, n_transfer = unmask_ranked(window, hidden_at, step, sample_key, select_key)
-        x_BN = jax.lax.dynamic_update_slice_in_dim(x_BN, window, start, axis=1)
+            window, confidence, x0, n_transfer = unmask_ranked(
+                window, hidden_at, step, sample_keys, select_keys, active_B1
+            )
+        x_BN = write_at(x_BN, window, start)
         if program.tokens_hook is not None:
             x_BN = program.tokens_hook(block * steps + step, x_BN, None)
         if program.progress is not None:
@@ -172,7 +190,7 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, program: Program, refres
             x0=on_canvas(x0, -1),
             n_transfer=n_transfer,
         )
-        return step + 1, x_BN, cache, records
+        return step + 1, x_BN, cache, records, active_B1
 
     if program.tokens_hook is not None:
         x_BN = jax.lax.cond(block == 0, lambda x: program.tokens_hook(None, x, None), lambda x: x, x_BN)
@@ -180,17 +198,26 @@ def _block(graphdef, state, x_BN, valid_BN, key, block, program: Program, refres
     if cache_kind is not None:
         cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda x: full_forward(x)[1], x_BN))
     records = program.empty_records(steps, B, N, model.dtype)
-    done, x_BN, _, records = jax.lax.while_loop(
-        lambda carry: (carry[0] < steps) & jnp.any(in_block(carry[1]) == mask_id), body, (0, x_BN, cache, records)
+    active_B1 = jnp.any(in_block(x_BN) == mask_id, axis=-1, keepdims=True)
+    done, x_BN, _, records, _ = jax.lax.while_loop(
+        lambda carry: (carry[0] < steps) & jnp.any(in_block(carry[1]) == mask_id),
+        body,
+        (0, x_BN, cache, records, active_B1),
     )
     if program.output_history:  # the steps a block did not need leave the canvas as it is
         records["history"] = jnp.where((jnp.arange(steps) < done)[:, None, None], records["history"], x_BN)
-    return x_BN, records
+    return x_BN, records, done
 
 
-def run_blocks(model, prepared: Prepared) -> Iterator[FinishedBlock]:
-    """The blocks of a prepared block-wise generation (`prepare_generation`), in order."""
-    return _run_blocks(model, prepared, refresh=False)
+def run_block(programs, prepared: Prepared, x_BN, block, refresh: bool = False):
+    """One call of the block program on the canvas `x_BN` (the prepared generation's mask, keys and settings):
+    `(canvas, records, steps run)`. `block` is an int, or one index per row (`[B]`, not with the prefix cache)."""
+    program = prepared.program
+    static = {"program": program, "refresh": refresh}
+    args = (x_BN, prepared.valid_BN, prepared.keys_B, prepared.rows)
+    if program.settings.cache == "prefix":  # the window shape depends on the block: one program per block index
+        return programs(_block, {**static, "block": int(block)}, *args)
+    return programs(_block, static, *args, np.int32(block) if np.ndim(block) == 0 else block)
 
 
 def block_target(model, prepared: Prepared, index: int = 0, refresh: bool = False) -> tuple:
@@ -199,26 +226,32 @@ def block_target(model, prepared: Prepared, index: int = 0, refresh: bool = Fals
     # the prefix cache's window shape depends on the block, so that path compiles per block index
     static = ("graphdef", "program", "refresh") + (("block",) if program.settings.cache == "prefix" else ())
     compiled = decoding_program(_block, model, prepared.x_BN, static_argnames=static)
-    return compiled, (*nnx.split(model), prepared.x_BN, prepared.valid_BN, prepared.key, index, program, refresh)
+    p = prepared
+    return compiled, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, index, program, refresh)
 
 
-def _run_blocks(model, prepared: Prepared, refresh: bool) -> Iterator[FinishedBlock]:
-    compiled, (graphdef, state, _, valid_BN, key, _, program, _) = block_target(model, prepared, refresh=refresh)
-    sharding = prepared.x_BN.sharding
+def run_blocks(model, prepared: Prepared, programs=None) -> Iterator[FinishedBlock]:
+    """The blocks of a prepared block-wise generation (`prepare_generation`), in order, compiled and run by
+    `programs` (default `JitPrograms`)."""
+    return _run_blocks(model, prepared, refresh=False, programs=programs)
+
+
+def _run_blocks(model, prepared: Prepared, refresh: bool, programs=None) -> Iterator[FinishedBlock]:
+    programs = JitPrograms(model) if programs is None else programs
+    program, sharding = prepared.program, prepared.x_BN.sharding
 
     def run(x_BN, index):
         # each block's canvas committed to one sharding, so one compiled program serves them all
-        x_BN = jax.device_put(x_BN, sharding)
-        return compiled(graphdef, state, x_BN, valid_BN, key, index, program, refresh)
+        return run_block(programs, prepared, jax.device_put(x_BN, sharding), index, refresh)
 
     width = program.settings.block_length
     blocks = prepared.new_tokens // width
-    x_BN, records = run(prepared.x_BN, 0)
+    x_BN, records, steps = run(prepared.x_BN, 0)
     for index in range(blocks):
         start = program.first + index * width
-        finished = FinishedBlock(index, start, start + width, GenerationOutput(sequences=x_BN, **records))
+        finished = FinishedBlock(index, start, start + width, GenerationOutput(sequences=x_BN, **records), steps)
         if index + 1 < blocks:  # dispatched before the caller reads this block, so the device keeps busy
-            x_BN, records = run(x_BN, index + 1)
+            x_BN, records, steps = run(x_BN, index + 1)
         yield finished
 
 
@@ -233,7 +266,9 @@ def blocks_output(blocks: Iterator[FinishedBlock]) -> GenerationOutput:
     return GenerationOutput(sequences=outputs[-1].sequences, **records)
 
 
-def generate_blocks(model, input_ids, attention_mask=None, **generation_args) -> Iterator[FinishedBlock]:
+def generate_blocks(
+    model, input_ids, attention_mask=None, *, programs=None, **generation_args
+) -> Iterator[FinishedBlock]:
     """Block-wise generation that hands over each block as soon as it is finished.
 
     Takes `diffusion_generate`'s arguments (`block_length` defaults to all new tokens, one block) and
@@ -245,4 +280,4 @@ def generate_blocks(model, input_ids, attention_mask=None, **generation_args) ->
             send(tokenizer.decode_generation(block.tokens, 0))
     """
     prepared = prepare_generation(model, input_ids, attention_mask, blockwise=True, **generation_args)
-    return run_blocks(model, prepared)
+    return run_blocks(model, prepared, programs)

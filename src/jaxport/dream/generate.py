@@ -11,7 +11,9 @@ import sys
 import types
 import warnings
 
-from jaxport.dream import text
+import jax.numpy as jnp
+
+from jaxport.dream import sampling, text
 from jaxport.dream.decoding import diffusion_generate
 from jaxport.dream.program import (
     GenerationOutput,
@@ -19,16 +21,7 @@ from jaxport.dream.program import (
     padding_inputs,
     prepare_generation,
 )
-from jaxport.dream.sampling import (
-    bucket_sizes,
-    masked_scores,
-    sample_tokens,
-    timesteps,
-    top_k_filter,
-    top_p_filter,
-    transfer_ratios,
-    unmask,
-)
+from jaxport.dream.sampling import bucket_sizes, masked_scores, sample_tokens, timesteps, transfer_ratios, unmask
 from jaxport.dream.settings import ALGORITHMS, CACHES
 
 warnings.warn(
@@ -37,6 +30,22 @@ warnings.warn(
     DeprecationWarning,
     stacklevel=2,
 )
+
+
+def top_p_filter(logits, top_p: float):
+    """One top-p for every row of `logits [..., V]` (the sampler now takes one per row: `sampling.sorted_filters`)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    R = rows.shape[0]
+    kept = sampling.sorted_filters(rows, jnp.full((R,), top_p, jnp.float32), jnp.zeros((R,), jnp.int32))
+    return kept.reshape(logits.shape)
+
+
+def top_k_filter(logits, top_k: int):
+    """One top-k for every row of `logits [..., V]` (the sampler now takes one per row)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    R = rows.shape[0]
+    kept = sampling.sorted_filters(rows, jnp.ones((R,), jnp.float32), jnp.full((R,), top_k, jnp.int32))
+    return kept.reshape(logits.shape)
 
 
 class _CallableModule(types.ModuleType):

@@ -76,10 +76,10 @@ class DreamModel(nnx.Module):
         values `([B, T, K, Dh], [B, T, K, Dh])` over the whole canvas.
 
         Without `kv_cache` the `S` tokens are the whole canvas (`T = S`), as `hidden_states`. With one
-        (from an earlier call), they are canvas positions `cache_index ..`: each layer attends over the
-        cached keys/values with this window's fresh ones written in (an approximate cache: the other
-        positions keep the states of the canvas they were computed from). `mask` then covers the window's
-        queries against all `T` keys (`[B, T]` key padding, or `[B, 1, S, T]`).
+        (from an earlier call), they are canvas positions `cache_index ..` (one index for the batch, or one per
+        row `[B]`): each layer attends over the cached keys/values with this window's fresh ones written in (an
+        approximate cache: the other positions keep the states of the canvas they were computed from). `mask`
+        then covers the window's queries against all `T` keys (`[B, T]` key padding, or `[B, 1, S, T]`).
         """
         h_BSD, _, kv_cache = self._decode(input_ids_BS, mask, position_ids_BS, kv_cache, cache_index)
         return h_BSD, kv_cache

@@ -1,8 +1,10 @@
 """A decoding prepared for compilation: the checked canvas, the program's static description, and the one place a
 Dream decoding loop is jitted (`decoding_program`).
 
-`prepare_generation` turns `diffusion_generate`'s arguments into a `Prepared` (canvas, attention mask, key,
-`Program`); the exact loop (`jaxport.dream.exact`) and the block loop (`jaxport.dream.fast`) run it.
+`prepare_generation` turns `diffusion_generate`'s arguments into a `Prepared` (canvas, attention mask, per-row keys
+and sampling settings, `Program`); the exact loop (`jaxport.dream.exact`) and the block loop (`jaxport.dream.fast`)
+run it through a `Programs`: `JitPrograms` (jax.jit's own cache, the library's) or a server's own registry of
+compiled programs (`jaxport.dream.scheduler.CompiledPrograms`).
 """
 
 import dataclasses
@@ -11,9 +13,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxport import runtime
-from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
+from jaxport.dream.sampling import Rows
+from jaxport.dream.settings import GenerationSettings, ProgramSettings
 from jaxport.errors import JaxportError
 
 
@@ -38,7 +42,6 @@ class Program:
     """What a compiled decoding depends on besides array shapes (hashable: jit's static argument)."""
 
     settings: ProgramSettings
-    row: RowSettings  # compiled in today; the values a serving engine passes as `[B]` arrays
     mask_token_id: int
     first: int  # the first canvas position that can hold a mask token
     output_history: bool = False
@@ -51,13 +54,17 @@ class Program:
     def blockwise(self) -> bool:
         return self.settings.block_length is not None
 
+    def steps_per_block(self, new_tokens: int) -> int:
+        """The schedule's steps of one block: `steps` shared by the blocks."""
+        return self.settings.steps // (new_tokens // self.settings.block_length)
+
     def block_steps(self, new_tokens: int) -> int:
-        """The most steps one block takes: `steps` shared by the blocks; under Fast-dLLM's threshold, which has no
-        step budget, one per position (each step unmasks at least one)."""
-        s = self.settings
-        if s.schedule == "fastdllm" and self.row.threshold is not None:
-            return s.block_length
-        return s.steps // (new_tokens // s.block_length)
+        """The most steps one block takes: `steps_per_block`; under `schedule="fastdllm"`, one per position (a row
+        with Fast-dLLM's threshold has no step budget; each step unmasks at least one). Rows without a threshold
+        end their block within the schedule's steps, and the block ends when no row has a mask."""
+        if self.settings.schedule == "fastdllm":
+            return self.settings.block_length
+        return self.steps_per_block(new_tokens)
 
     def empty_records(self, steps: int, B: int, N: int, dtype) -> dict:
         """Per-step records, filled by the loop: what `output_history` / `output_scores` ask for."""
@@ -78,11 +85,13 @@ def record(records: dict, step, **updates) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """A checked generation: the canvas `x_BN` (prompt, then mask tokens) and the boolean attention mask (None:
-    every position attends everywhere) on the model's mesh, the random key and the static `Program`."""
+    every position attends everywhere), each row's random key `keys_B` and sampling settings `rows`, all on the
+    model's mesh, and the static `Program`."""
 
     x_BN: jax.Array
     valid_BN: jax.Array | None
-    key: jax.Array
+    keys_B: jax.Array
+    rows: Rows
     program: Program
 
     @property
@@ -163,7 +172,7 @@ def prepare_generation(
         f"max_position_embeddings ({model.config.max_position_embeddings}, config.json); shorten the prompt or "
         f"generate fewer tokens",
     )
-    checked = GenerationSettings.of(**settings).check(new_tokens, blockwise)
+    checked = GenerationSettings.of(**settings).check(new_tokens, blockwise, batch=B)
     mask_token_id = model.config.mask_token_id if mask_token_id is None else int(mask_token_id)
     prompt_masks = np.nonzero((input_ids == mask_token_id).any(axis=0))[0]
     hooks = generation_tokens_hook_func is not None or generation_logits_hook_func is not None
@@ -193,7 +202,6 @@ def prepare_generation(
     x = np.concatenate([input_ids.astype(np.int32), np.full((B, new_tokens), mask_token_id, np.int32)], axis=1)
     program = Program(
         settings=checked.program,
-        row=checked.row,
         mask_token_id=mask_token_id,
         first=first,
         output_history=bool(output_history),
@@ -202,8 +210,26 @@ def prepare_generation(
         logits_hook=generation_logits_hook_func,
         progress=progress,
     )
-    x, attention_mask = model.place_batch(x, attention_mask)
-    return Prepared(x, attention_mask, jax.random.key(0) if rng is None else rng, program)
+    rows = Rows.of(checked.row.rows(B))
+    x, attention_mask, keys, *rows = model.place_batch(x, attention_mask, row_keys(rng, B), *rows)
+    return Prepared(x, attention_mask, keys, Rows(*rows), program)
+
+
+def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:
+    """Each row's random key: `rng` (default `jax.random.key(0)`) is one key, row b drawing from
+    `fold_in(rng, b)`, or one key per row."""
+    rng = jax.random.key(0) if rng is None else rng
+    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        _check(
+            "rng",
+            np.dtype(rng.dtype) == np.uint32 and rng.shape[-1:] == (2,),
+            f"expected a key from jax.random.key (or PRNGKey), or one per row, got {rng.dtype} {list(rng.shape)}",
+        )
+        rng = jax.random.wrap_key_data(rng)
+    if rng.shape == ():
+        return jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch))
+    _check("rng", rng.shape == (batch,), f"{rng.shape[0]} keys for a batch of {batch} rows")
+    return rng
 
 
 def decoding_program(function, model, x_BN, **jit_kwargs):
@@ -211,3 +237,16 @@ def decoding_program(function, model, x_BN, **jit_kwargs):
     (`runtime.for_tokens`): every Dream decoding loop is compiled here. jax.jit over (graphdef, state) rather than
     nnx.jit: nnx.jit's state bookkeeping costs more than a small forward."""
     return runtime.jit_once(function, runtime.for_tokens(x_BN, model.dtype), **jit_kwargs)
+
+
+class JitPrograms:
+    """Runs a decoding loop `function(graphdef, state, x_BN, *dynamic, **static)` of a model, compiled by
+    `decoding_program` (jax.jit's cache keeps one program per static arguments and shapes)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+
+    def __call__(self, function, static: dict, x_BN, *dynamic):
+        jitted = decoding_program(function, self.model, x_BN, static_argnames=("graphdef", *static))
+        return jitted(self.graphdef, self.state, x_BN, *dynamic, **static)

@@ -3,9 +3,16 @@
 Upstream's `sample_tokens` (a candidate token and a confidence per position), the unmasking schedule
 (`timesteps`, `transfer_ratios`) and the unmask rule (`unmask`: the best-scored masks, a random share for
 `origin`, a probability threshold). The exact loop (`jaxport.dream.exact`) and the block loop
-(`jaxport.dream.fast`) both use these; only these functions read the per-row settings (`RowSettings`).
+(`jaxport.dream.fast`) both use these; only these functions read the per-row settings (`Rows`).
+
+The sampling settings are data: every row has its own temperature, top-p, top-k, `alg_temp`, threshold and random
+key (`[B]` arrays), so one compiled program serves every value. What only some settings need (the vocabulary sort
+of top-p, the partial sort of top-k, the categorical draw, the Gumbel noise of `alg_temp`) runs under `lax.cond` /
+`lax.switch` on whether any row needs it, so a greedy batch costs what it did with the settings compiled in. A row's
+draws come from its own key, per position of its window, so they do not depend on the other rows of the batch.
 """
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -13,6 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxport.dream.settings import RowSettings
+
+# top_k up to this runs a partial sort (`lax.top_k`); a larger one sorts the whole vocabulary, as top_p does
+PARTIAL_TOP_K = 64
 
 
 class Scores(NamedTuple):
@@ -22,6 +32,33 @@ class Scores(NamedTuple):
     confidence: jax.Array
     x0: jax.Array
     probability: jax.Array
+
+
+class Rows(NamedTuple):
+    """The sampling settings of each row, `[B]` arrays (runtime inputs of the compiled programs); the neutral
+    values leave a row as upstream leaves it without the setting: `temperature` 0 (greedy), `top_p` 1 (no
+    filter), `top_k` 0 (no filter), `alg_temp` 0 (ranked order), `threshold` inf (none)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    alg_temp: jax.Array
+    threshold: jax.Array
+
+    @classmethod
+    def of(cls, rows: Sequence[RowSettings]) -> "Rows":
+        """Host arrays of per-row settings (each `RowSettings` holding one value per field)."""
+
+        def column(name, off, dtype):
+            return np.array([off if getattr(r, name) is None else getattr(r, name) for r in rows], dtype)
+
+        return cls(
+            column("temperature", 0.0, np.float32),
+            column("top_p", 1.0, np.float32),
+            column("top_k", 0, np.int32),
+            column("alg_temp", 0.0, np.float32),
+            column("threshold", np.inf, np.float32),
+        )
 
 
 def timesteps(steps: int, eps: float) -> np.ndarray:
@@ -45,21 +82,35 @@ def transfer_ratios(steps: int, eps: float) -> np.ndarray:
     return ratios.astype(np.float32)
 
 
-def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
-    """Keep the most likely tokens whose cumulative probability first exceeds `top_p`."""
-    order = jnp.argsort(-logits, axis=-1, stable=True)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-    remove_sorted = cumulative > top_p
-    # shift right: the token that crosses the threshold stays
-    remove_sorted = jnp.concatenate([jnp.zeros_like(remove_sorted[..., :1]), remove_sorted[..., :-1]], axis=-1)
-    remove = jnp.put_along_axis(jnp.zeros_like(remove_sorted), order, remove_sorted, axis=-1, inplace=False)
-    return jnp.where(remove, jnp.finfo(logits.dtype).min, logits)
+def _removed(logits_RV: jax.Array, remove_RV: jax.Array) -> jax.Array:
+    return jnp.where(remove_RV, jnp.finfo(logits_RV.dtype).min, logits_RV)
 
 
-def top_k_filter(logits: jax.Array, top_k: int) -> jax.Array:
-    kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
-    return jnp.where(logits < kth, jnp.finfo(logits.dtype).min, logits)
+def _kth(values_RK: jax.Array, top_k_R: jax.Array) -> jax.Array:
+    """Each row's `top_k`-th value of its descending `values`, `[R, 1]` (the last one where top_k exceeds them)."""
+    return jnp.take_along_axis(values_RK, jnp.clip(top_k_R - 1, 0, values_RK.shape[-1] - 1)[:, None], axis=-1)
+
+
+def top_k_filter(logits_RV: jax.Array, top_k_R: jax.Array) -> jax.Array:
+    """Keep each row's `top_k` most likely tokens (ties at the k-th value kept); rows with `top_k` 0 keep all.
+    A partial sort of `PARTIAL_TOP_K` values; `top_k` above that goes through `sorted_filters`."""
+    top = jax.lax.top_k(logits_RV, min(PARTIAL_TOP_K, logits_RV.shape[-1]))[0]
+    return _removed(logits_RV, (top_k_R > 0)[:, None] & (logits_RV < _kth(top, top_k_R)))
+
+
+def sorted_filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array) -> jax.Array:
+    """Top-p, then top-k, from one sort of the vocabulary. Top-p keeps the most likely tokens whose cumulative
+    probability first exceeds `top_p` (the token that crosses it stays); a row with `top_p` 1 keeps all, whatever
+    the rounding of its cumulative sum."""
+    order = jnp.argsort(-logits_RV, axis=-1, stable=True)
+    sorted_RV = jnp.take_along_axis(logits_RV, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(sorted_RV, axis=-1), axis=-1)
+    beyond = cumulative > top_p_R[:, None]
+    remove = jnp.concatenate([jnp.zeros_like(beyond[:, :1]), beyond[:, :-1]], axis=-1) & (top_p_R < 1)[:, None]
+    # the top-p survivors in the same order, so top-k's k-th value is read off them
+    kept = _removed(sorted_RV, remove)
+    remove = remove | ((top_k_R > 0)[:, None] & (kept < _kth(kept, top_k_R)))
+    return _removed(logits_RV, jnp.put_along_axis(jnp.zeros_like(remove), order, remove, axis=-1, inplace=False))
 
 
 def _max_and_argmax(a_RV: jax.Array):
@@ -70,27 +121,35 @@ def _max_and_argmax(a_RV: jax.Array):
     return top, jnp.min(jnp.where(a_RV == top[:, None], index, a_RV.shape[-1]), axis=-1)
 
 
-def sample_tokens(logits: jax.Array, key, alg: str, row: RowSettings) -> Scores:
-    """Upstream `sample_tokens` from logits `[..., V]`: per position the candidate token, its probability and the
+def _per_position(value_B: jax.Array, S: int) -> jax.Array:
+    return jnp.repeat(value_B, S, axis=0)
+
+
+def sample_tokens(logits_BSV: jax.Array, keys_B, positions_BS: jax.Array, alg: str, rows: Rows) -> Scores:
+    """Upstream `sample_tokens` from logits `[B, S, V]`: per position the candidate token, its probability and the
     confidence `alg` ranks by: maskgit_plus/origin the candidate's probability, topk_margin top-1 minus top-2
     probability, entropy the negative entropy. Computed in float32; the confidence is returned in the logits dtype.
-    """
-    dtype, lead = logits.dtype, logits.shape[:-1]
+    A row with a temperature draws its candidates from `fold_in(keys_B[b], positions_BS[b, s])`."""
+    dtype, (B, S, V) = logits_BSV.dtype, logits_BSV.shape
     # [rows, V]: XLA:CPU runs vocabulary reductions several times slower on a 3-D array
-    logits = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)
-    if row.temperature > 0:
-        logits = logits / row.temperature
-    if row.top_p is not None and row.top_p < 1:
-        logits = top_p_filter(logits, row.top_p)
-    if row.top_k is not None:
-        logits = top_k_filter(logits, row.top_k)
+    logits = logits_BSV.reshape(B * S, V).astype(jnp.float32)
+    temperature, top_p, top_k = (_per_position(v, S) for v in (rows.temperature, rows.top_p, rows.top_k))
+    logits = logits / jnp.where(temperature > 0, temperature, 1)[:, None]  # x / 1 is x, bit for bit
+    filters = jnp.where(jnp.any(top_p < 1) | jnp.any(top_k > PARTIAL_TOP_K), 2, jnp.where(jnp.any(top_k > 0), 1, 0))
+    logits = jax.lax.switch(
+        filters,
+        [lambda lg: lg, lambda lg: top_k_filter(lg, top_k), lambda lg: sorted_filters(lg, top_p, top_k)],
+        logits,
+    )
     probs = jax.nn.softmax(logits, axis=-1)
     top1, first_top = _max_and_argmax(probs)
-    if row.temperature > 0:
-        x0 = jax.random.categorical(key, logits, axis=-1)
-        confidence = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
-    else:
-        x0, confidence = first_top, top1
+
+    def drawn():
+        keys = jax.vmap(jax.random.fold_in)(_per_position(keys_B, S), positions_BS.reshape(-1))
+        x0 = jnp.where(temperature > 0, jax.vmap(jax.random.categorical)(keys, logits), first_top)
+        return x0, jnp.take_along_axis(probs, x0[:, None], axis=-1)[:, 0]
+
+    x0, confidence = jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: (first_top, top1))
     probability = confidence
     if alg == "topk_margin":
         # top-1 minus top-2 probability; a tied maximum gives 0 as the sorted pair does
@@ -99,7 +158,7 @@ def sample_tokens(logits: jax.Array, key, alg: str, row: RowSettings) -> Scores:
         confidence = top1 - second
     elif alg == "entropy":
         confidence = jnp.sum(probs * jnp.log(probs + 1e-10), axis=-1)
-    return Scores(confidence.astype(dtype).reshape(lead), x0.astype(jnp.int32).reshape(lead), probability.reshape(lead))
+    return Scores(confidence.astype(dtype).reshape(B, S), x0.astype(jnp.int32).reshape(B, S), probability.reshape(B, S))
 
 
 def _rank_desc(scores_BW: jax.Array) -> jax.Array:
@@ -116,7 +175,7 @@ def bucket_sizes(width: int, buckets: int = 4) -> list[int]:
     return sorted({min(width, unit * k) for k in range(1, buckets + 1)})
 
 
-def masked_scores(head, hidden_at, is_mask_BW, key, alg: str, row: RowSettings) -> Scores:
+def masked_scores(head, hidden_at, is_mask_BW, keys_B, alg: str, rows: Rows) -> Scores:
     """`sample_tokens` at every mask position of the window, computing the vocabulary projection `head` and the
     sampler only there: the masks are packed to the front into the smallest static bucket that holds every row's
     count (`lax.switch`), then scattered back (-inf, 0 and 0 elsewhere). `hidden_at(index_BS)` gives the final
@@ -126,16 +185,16 @@ def masked_scores(head, hidden_at, is_mask_BW, key, alg: str, row: RowSettings) 
     most = jnp.max(jnp.sum(is_mask_BW, axis=-1))
     branch = jnp.searchsorted(jnp.asarray(sizes), most)
     order_BW = jnp.argsort(~is_mask_BW, axis=-1, stable=True)  # mask positions first, in order
-    rows = jnp.arange(B)[:, None]
+    batch = jnp.arange(B)[:, None]
 
     def packed(size):
         def run(_):
             index_BS = order_BW[:, :size]
-            confidence, x0, probability = sample_tokens(head(hidden_at(index_BS)), key, alg, row)
+            confidence, x0, probability = sample_tokens(head(hidden_at(index_BS)), keys_B, index_BS, alg, rows)
             return Scores(
-                jnp.full((B, W), -jnp.inf, confidence.dtype).at[rows, index_BS].set(confidence),
-                jnp.zeros((B, W), jnp.int32).at[rows, index_BS].set(x0),
-                jnp.zeros((B, W), jnp.float32).at[rows, index_BS].set(probability),
+                jnp.full((B, W), -jnp.inf, confidence.dtype).at[batch, index_BS].set(confidence),
+                jnp.zeros((B, W), jnp.int32).at[batch, index_BS].set(x0),
+                jnp.zeros((B, W), jnp.float32).at[batch, index_BS].set(probability),
             )
 
         return run
@@ -143,32 +202,46 @@ def masked_scores(head, hidden_at, is_mask_BW, key, alg: str, row: RowSettings) 
     return Scores(*jax.lax.switch(branch, [packed(size) for size in sizes], None))
 
 
-def unmask(window_BW, scores: Scores, select_key, n, p_transfer, *, alg: str, row: RowSettings, mask_token_id: int):
+def _row_draws(draw, keys_B, W: int) -> jax.Array:
+    """`draw(key, (W,))` for each row with its own key, `[B, W]`."""
+    return jax.vmap(lambda key: draw(key, (W,)))(keys_B)
+
+
+def unmask(window_BW, scores: Scores, keys_B, n, p_transfer, *, alg: str, rows: Rows, mask_token_id: int):
     """Unmask part of a canvas window given each position's scores.
 
     The ranking algorithms unmask the `n` best-scored masks of each row (`n` broadcasts against `[B, 1]`: one
     count for the batch, or one per row); `origin` unmasks each mask with probability `p_transfer`. Ties: among
-    exactly equal scores the leftmost position is unmasked first. With `row.threshold`, every mask whose
-    candidate's probability reaches it is unmasked too, and while a row has masks at least one (its best-scored)
+    exactly equal scores the leftmost position is unmasked first. A row with an `alg_temp` ranks by its
+    confidences sampled with Gumbel noise from its key in `keys_B`. With a threshold, every mask of the row whose
+    candidate's probability reaches it is unmasked too, and while the row has masks at least one (its best-scored)
     is. A chosen slot that holds no mask (`n` above a row's masks) gets the mask token, as upstream writes it.
     Returns the new window, the confidence (-inf off masks), the candidates (-1 off masks) and the count unmasked
     per row.
     """
+    B, W = window_BW.shape
     is_mask = window_BW == mask_token_id
     confidence = jnp.where(is_mask, scores.confidence, -jnp.inf)
-    if row.alg_temp and alg != "origin":
+    ranked = confidence.astype(jnp.float32)
+    if alg != "origin":
         # Multinomial without replacement over softmax(confidence / alg_temp) = Gumbel top-n.
-        ranked = confidence.astype(jnp.float32) / row.alg_temp + jax.random.gumbel(select_key, window_BW.shape)
-    else:
-        ranked = confidence
-    if alg == "origin":
-        transfer = is_mask & (jax.random.uniform(select_key, window_BW.shape) < p_transfer)
-    else:
+        alg_temp = rows.alg_temp[:, None]
+        ranked = jax.lax.cond(
+            jnp.any(alg_temp > 0),
+            lambda: jnp.where(
+                alg_temp > 0,
+                ranked / jnp.where(alg_temp > 0, alg_temp, 1) + _row_draws(jax.random.gumbel, keys_B, W),
+                ranked,
+            ),
+            lambda: ranked,
+        )
         transfer = _rank_desc(ranked) < n
-    if row.threshold is not None:
-        transfer = transfer | (is_mask & (scores.probability >= row.threshold))
-        none_yet = ~jnp.any(transfer & is_mask, axis=-1, keepdims=True)
-        transfer = transfer | (none_yet & is_mask & (_rank_desc(ranked) == 0))
+    else:
+        transfer = is_mask & (_row_draws(jax.random.uniform, keys_B, W) < p_transfer)
+    threshold = rows.threshold[:, None]
+    transfer = transfer | (is_mask & (scores.probability >= threshold))
+    none_yet = jnp.isfinite(threshold) & ~jnp.any(transfer & is_mask, axis=-1, keepdims=True)
+    transfer = transfer | (none_yet & is_mask & (_rank_desc(ranked) == 0))
     new_window = jnp.where(transfer, jnp.where(is_mask, scores.x0, mask_token_id), window_BW)
     transfer = transfer & is_mask
     return new_window, confidence, jnp.where(is_mask, scores.x0, -1), jnp.sum(transfer, axis=-1, dtype=jnp.int32)

@@ -1,8 +1,9 @@
 """`jaxport dream serve`: an OpenAI-compatible HTTP server for Dream / DiffuCoder models (FastAPI + uvicorn).
 
 `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template
-applied), `GET /health` and `GET /metrics` (requests, batch sizes run, queue). Requests take the OpenAI
-fields `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 0: greedy), `top_p`,
+applied), `GET /health`, `GET /metrics` (Prometheus text format: `jaxport.dream.serve_metrics`) and
+`GET /metrics.json` (the scheduler's counts: requests, batch sizes run, queue, compiled programs). Requests
+take the OpenAI fields `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 0: greedy), `top_p`,
 `stop`, `n`, `seed`, `stream` (server-sent events) and `stream_options.include_usage`, and Dream's own
 `steps` (default: the canvas length), `alg`, `alg_temp`, `top_k`, `block_length`, `cache`, `threshold` and
 `schedule` as extra body fields, validated as `jaxport.dream.settings.GenerationSettings` validates them for
@@ -33,14 +34,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from jaxport.dream.scheduler import BatchKey, Job, QueueFull, RowText, Scheduler, bucket, log
+from jaxport.dream.serve_metrics import CONTENT_TYPE, ServerMetrics
 from jaxport.dream.settings import (
     ALGORITHMS,
     BLOCKWISE,
     Algorithm,
     Cache,
     Count,
+    GenerationSettings,
     NonNegative,
     Probability,
+    ProgramSettings,
     Schedule,
 )
 from jaxport.errors import JaxportError
@@ -76,6 +80,11 @@ class ServeSettings:
     default_max_tokens: int | None = None  # None: the smallest max_tokens bucket
     alg: str = "entropy"
     fast: tuple = ()  # fast-decoding (name, value) pairs (`settings.BLOCKWISE`), for requests that do not set them
+    # more program-shaping combinations compiled at start-up, each a tuple of (name, value) pairs over the defaults
+    programs: tuple = ()
+    compile_on_demand: int = 0  # programs outside the start-up set compiled for requests, least recently used evicted
+    batching: str = "static"  # or "continuous": block-wise dual-cache requests join a running batch between blocks
+    max_body_bytes: int = 1 << 20  # a longer request body gets HTTP 413
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_context", "default_max_tokens"):
@@ -96,15 +105,65 @@ class ServeSettings:
             )
         if self.alg not in ALGORITHMS:
             raise JaxportError(f"--alg {self.alg!r}: choose one of {', '.join(ALGORITHMS)}")
+        if self.batching not in ("static", "continuous"):
+            raise JaxportError(f"--batching {self.batching!r}: choose static or continuous")
+        if self.compile_on_demand < 0:
+            raise JaxportError(f"--compile-on-demand must be at least 0, got {self.compile_on_demand}")
+        for new_tokens in self.max_tokens_buckets:
+            self.allowed(new_tokens)  # a bad --program is an error at start-up
+
+    def defaults(self, new_tokens: int) -> dict:
+        """The program settings of a request that sets none (steps: one per new token)."""
+        return {"steps": new_tokens, "alg": self.alg, **dict(self.fast)}
+
+    def allowed(self, new_tokens: int) -> list[ProgramSettings]:
+        """The program settings compiled at start-up for canvases of `new_tokens` new tokens: the defaults, then
+        each `--program` over them."""
+        allowed = []
+        for extra in ((), *self.programs):
+            try:
+                settings = GenerationSettings.of(**{**self.defaults(new_tokens), **dict(extra)}).check(new_tokens)
+            except JaxportError as err:
+                spec = ",".join(f"{k}={v}" for k, v in extra)
+                raise JaxportError(f"--program {spec} (with {new_tokens} new tokens): {err}") from None
+            if settings.program not in allowed:
+                allowed.append(settings.program)
+        return allowed
 
     def warmup_keys(self) -> list[BatchKey]:
-        """The default settings (greedy, `alg`, steps = canvas) at every prompt and max_tokens bucket."""
+        """The start-up set: every allowed program at every prompt and max_tokens bucket."""
         return [
-            BatchKey.of(prompt_len, new_tokens, steps=new_tokens, alg=self.alg, temperature=0.0, **dict(self.fast))
+            BatchKey(prompt_len, new_tokens, settings)
             for new_tokens in self.max_tokens_buckets
+            for settings in self.allowed(new_tokens)
             for prompt_len in self.prompt_buckets
             if prompt_len + new_tokens <= self.max_context
         ]
+
+    def outside(self, key: BatchKey, given: set[str]) -> "APIError | None":
+        """The 400 for a request whose program is not in the start-up set (None when it is, or when
+        `--compile-on-demand` lets the server compile it): names the first setting whose value no allowed program
+        has, with the allowed values."""
+        allowed = self.allowed(key.new_tokens)
+        if key.settings in allowed or self.compile_on_demand:
+            return None
+        fields = ("alg", "steps", "block_length", "cache", "schedule", "eps")
+        name = next(
+            (n for n in fields if getattr(key.settings, n) not in {getattr(a, n) for a in allowed}),
+            next(n for n in fields if n in given) if given & set(fields) else "steps",
+        )
+        param = "threshold" if name == "block_length" and "block_length" not in given and "threshold" in given else name
+        combos = "; ".join(
+            ", ".join(f"{n}={getattr(a, n)}" for n in fields if getattr(a, n) is not None) for a in allowed
+        )
+        return _invalid(
+            param,
+            f"{name}={getattr(key.settings, name)} is not among the programs this server compiled at start-up "
+            f"for {key.new_tokens} new tokens (allowed {name}: "
+            f"{', '.join(sorted({str(getattr(a, name)) for a in allowed}))}; programs: {combos}); "
+            f"start it with --program or --compile-on-demand",
+            "setting_not_served",
+        )
 
 
 # -- request bodies -------------------------------------------------------------------------------
@@ -276,12 +335,25 @@ CHAT = Format(
 
 
 # -- the app --------------------------------------------------------------------------------------
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/metrics.json")
+
+
 class DreamServer:
     """Validates requests, turns them into scheduler `Job`s and shapes the answers."""
 
     def __init__(self, model, tokenizer, settings: ServeSettings):
         self.tokenizer, self.settings = tokenizer, settings
-        self.scheduler = Scheduler(model, tokenizer, max_batch=settings.max_batch, max_queue=settings.max_queue)
+        self.scheduler = Scheduler(
+            model,
+            tokenizer,
+            max_batch=settings.max_batch,
+            max_queue=settings.max_queue,
+            on_demand=settings.compile_on_demand,
+            batching=settings.batching,
+            lane_tokens=settings.max_tokens_buckets[-1],
+            max_context=settings.max_context,
+        )
+        self.metrics = ServerMetrics(self.scheduler)
         self.created = int(time.time())
 
     def model_card(self) -> dict:
@@ -330,9 +402,7 @@ class DreamServer:
                 "context_length_exceeded",
             )
         try:
-            key = BatchKey.of(
-                min(bucket(longest, list(s.prompt_buckets)) or room, room),
-                new_tokens,
+            checked = GenerationSettings.of(
                 steps=steps,
                 alg=body.alg or s.alg,
                 temperature=float(body.temperature or 0.0),
@@ -340,13 +410,23 @@ class DreamServer:
                 top_k=body.top_k,
                 alg_temp=body.alg_temp,
                 **self._fast(body),
-            )
+            ).check(new_tokens)
         except JaxportError as err:
             raise _generation_error(err) from None
+        key = BatchKey(min(bucket(longest, list(s.prompt_buckets)) or room, room), new_tokens, checked.program)
+        given = {name for name in ("steps", "alg", *BLOCKWISE) if getattr(body, name) is not None}
+        if (error := s.outside(key, given)) is not None:
+            raise error
         job_id = f"{fmt.id_prefix}-{secrets.token_hex(12)}"
-        has_mask = any(self.tokenizer.mask_token_id in ids for ids in encoded)
-        seeded = key.samples and body.seed is not None
-        key = dataclasses.replace(key, seed=body.seed if seeded else None, alone=job_id if seeded or has_mask else None)
+        if any(self.tokenizer.mask_token_id in ids for ids in encoded):
+            if not s.compile_on_demand:
+                raise _invalid(
+                    prompt_field,
+                    "holds the mask token, which makes a program of its own; start the server with "
+                    "--compile-on-demand to serve such prompts",
+                    "setting_not_served",
+                )
+            key = dataclasses.replace(key, alone=job_id)
         stop = [body.stop] if isinstance(body.stop, str) else [text for text in body.stop or [] if text]
         rows = [p for p in prompts for _ in range(body.n)]
         return Job(
@@ -355,6 +435,8 @@ class DreamServer:
             rows,
             [RowText(self.tokenizer, max_tokens, stop) for _ in rows],
             post,
+            row=checked.row,
+            seed=body.seed,
             prompt_tokens=sum(map(len, encoded)),
         )
 
@@ -469,6 +551,7 @@ class DreamServer:
 
     def _log(self, job: Job, status: int):
         now = time.perf_counter()
+        self.metrics.ended(job)
         queued = (job.started or now) - job.submitted
         log(
             f"{job.id} {status}: {job.prompt_tokens} prompt + {sum(t.tokens for t in job.texts)} completion tokens "
@@ -477,9 +560,63 @@ class DreamServer:
         )
 
 
+class LimitBody:
+    """HTTP 413 for a request body above `limit` bytes, by its Content-Length or as its bytes arrive (an ASGI
+    middleware, before anything reads the body)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(send, int(length))
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise APIError(413, self._message(received), "body", "request_too_large")
+            return message
+
+        return await self.app(scope, counted, send)
+
+    def _message(self, size: int) -> str:
+        return f"body: the request body has {size} bytes or more, above the limit of {self.limit} (--max-body-bytes)"
+
+    async def _too_large(self, send, size: int):
+        await APIError(413, self._message(size), "body", "request_too_large").response()({"type": "http"}, None, send)
+
+
+class CountResponses:
+    """Counts every response by endpoint and status (an ASGI middleware: Starlette's `BaseHTTPMiddleware` would hide
+    a client's disconnect from the endpoint)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.answered(endpoint, message["status"])
+            await send(message)
+
+        return await self.app(scope, receive, counted)
+
+
 def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     """The FastAPI app; its scheduler (`app.state.server.scheduler`) runs while the app's lifespan does."""
     server = DreamServer(model, tokenizer, settings)
+    keys = settings.warmup_keys()
+    server.scheduler.start_up |= {key.program for key in keys} | server.scheduler.lanes(keys)  # now or on first use
 
     async def lifespan(app):
         server.scheduler.start()
@@ -513,8 +650,15 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    app.add_middleware(LimitBody, limit=settings.max_body_bytes)
+    app.add_middleware(CountResponses, metrics=server.metrics)
+
     @app.get("/metrics")
     async def metrics():
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.get("/metrics.json")
+    async def metrics_json():
         return {"model": settings.model_name, **server.scheduler.metrics()}
 
     @app.get("/v1/models")

@@ -4,18 +4,20 @@ The settings fall in two groups, by what a compiled decoding program makes of th
 
 * `ProgramSettings` shape the program: `steps`, `alg`, `eps`, `block_length`, `cache`, `schedule` (with the
   canvas geometry: batch, prompt length, new tokens). Each distinct combination is one compilation.
-* `RowSettings` are sampling values of one row: `temperature`, `top_p`, `top_k`, `alg_temp`, `threshold` (and
-  the random key, passed beside them). The program reads them only in the sampler and the unmask rule
-  (`jaxport.dream.sampling`), so they can become runtime inputs of shape `[B]`; today they are compiled in.
+* `RowSettings` are sampling values of the rows: `temperature`, `top_p`, `top_k`, `alg_temp`, `threshold` (and
+  the random key, passed beside them), each one value for every row or a list of one per row. The program takes
+  them as runtime inputs of shape `[B]` (`jaxport.dream.sampling.Rows`), read only by the sampler and the unmask
+  rule: one compiled program serves every value.
 
 `GenerationSettings` holds both, flat, as `diffusion_generate` takes them. `of(**arguments)` validates and
 raises one `JaxportError` naming the argument, its value and what is expected; `check(new_tokens)` adds the
 rules that need the canvas (steps and blocks must divide it).
 """
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+import numpy as np
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
 from jaxport.errors import JaxportError
 
@@ -59,18 +61,63 @@ Cache = Annotated[str, _rule(lambda v: v in CACHES, "must be None, 'prefix' or '
 Schedule = Annotated[str, _one_of(SCHEDULES, "schedule")]
 
 
+def _problem(err: ValidationError) -> str:
+    """What is wrong, in jaxport's words where its own rule failed, else pydantic's with the value given."""
+    error = err.errors()[0]
+    if error["type"] == "value_error":
+        return str(error["ctx"]["error"])
+    return f"{error['msg']}, got {error['input']!r}"
+
+
+def _per_row(scalar):
+    """`scalar`, or one such value per row: a list, tuple or 1-D array, stored as a tuple (hashable)."""
+    adapter = TypeAdapter(scalar | None)
+
+    def one(value, where: str):
+        try:
+            return adapter.validate_python(value)
+        except ValidationError as err:
+            raise ValueError(where + _problem(err)) from None
+
+    def validate(value):
+        if isinstance(value, np.ndarray) and value.ndim == 1:
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("expected one value, or a non-empty list of one per row")
+            return tuple(one(v, f"row {i}: ") for i, v in enumerate(value))
+        return one(value, "")
+
+    return Annotated[Any, BeforeValidator(validate)]
+
+
 class _Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")  # frozen: hashable, a compiled program's static argument
 
 
 class RowSettings(_Settings):
-    """Per-row sampling values (see the module docstring)."""
+    """Per-row sampling values (see the module docstring): each one value for every row, or a tuple of one per row."""
 
-    temperature: NonNegative = 0.0
-    top_p: Probability | None = None
-    top_k: Count | None = None
-    alg_temp: NonNegative | None = None
-    threshold: Probability | None = None
+    temperature: _per_row(NonNegative) = 0.0
+    top_p: _per_row(Probability) = None
+    top_k: _per_row(Count) = None
+    alg_temp: _per_row(NonNegative) = None
+    threshold: _per_row(Probability) = None
+
+    def rows(self, batch: int) -> list["RowSettings"]:
+        """The settings of each of `batch` rows (one value per field); a field given per row must have `batch`."""
+        columns = {}
+        for name in RowSettings.model_fields:
+            value = getattr(self, name)
+            if isinstance(value, tuple) and len(value) != batch:
+                raise JaxportError(f"{name}: {len(value)} per-row values for a batch of {batch} rows")
+            columns[name] = value if isinstance(value, tuple) else (value,) * batch
+        return [RowSettings.model_construct(**{k: v[b] for k, v in columns.items()}) for b in range(batch)]
+
+    def each(self, name: str) -> tuple:
+        """The values of one field, as a tuple (one value for every row: a tuple of one)."""
+        value = getattr(self, name)
+        return value if isinstance(value, tuple) else (value,)
 
 
 class ProgramSettings(_Settings):
@@ -95,17 +142,22 @@ class GenerationSettings(ProgramSettings, RowSettings):
             settings = cls(**arguments)
         except ValidationError as err:
             raise settings_error(err) from None
+        no_filter = lambda v: None if v == 1 else v  # noqa: E731
+        unordered = lambda v: v or None  # noqa: E731
         return settings.model_copy(
             update={
-                "top_p": None if settings.top_p == 1 else settings.top_p,
-                "alg_temp": settings.alg_temp or None,
+                name: tuple(map(rule, value)) if isinstance(value, tuple) else rule(value)
+                for name, rule in (("top_p", no_filter), ("alg_temp", unordered))
+                for value in [getattr(settings, name)]
             }
         )
 
     @property
     def blockwise(self) -> bool:
-        """Whether a fast-decoding setting is given (then generation runs block-wise, `jaxport.dream.fast`)."""
-        return any(getattr(self, name) not in (None, "jaxport") for name in BLOCKWISE)
+        """Whether a fast-decoding setting is given (then generation runs block-wise, `jaxport.dream.fast`); a
+        threshold counts when any row has one."""
+        given = lambda name: any(v not in (None, "jaxport") for v in self.each(name))  # noqa: E731
+        return any(given(name) for name in BLOCKWISE)
 
     @property
     def program(self) -> ProgramSettings:
@@ -119,9 +171,12 @@ class GenerationSettings(ProgramSettings, RowSettings):
         """The settings as `diffusion_generate` keyword arguments, those at their default left out."""
         return self.model_dump(exclude_defaults=True)
 
-    def check(self, new_tokens: int, blockwise: bool = False) -> "GenerationSettings":
-        """These settings for a canvas of `new_tokens` new tokens; block-wise (`blockwise` or a fast-decoding
-        setting), with `block_length` resolved (default: one block of all new tokens)."""
+    def check(self, new_tokens: int, blockwise: bool = False, batch: int | None = None) -> "GenerationSettings":
+        """These settings for a canvas of `new_tokens` new tokens (and `batch` rows, which per-row values must
+        match); block-wise (`blockwise` or a fast-decoding setting), with `block_length` resolved (default: one
+        block of all new tokens)."""
+        if batch is not None:
+            self.row.rows(batch)
         _check(
             "steps",
             self.steps <= new_tokens,
@@ -161,11 +216,9 @@ def settings_error(err: ValidationError) -> JaxportError:
     with the value given)."""
     error = err.errors()[0]
     name = ".".join(str(part) for part in error["loc"]) or "settings"
-    if error["type"] == "value_error":
-        return JaxportError(f"{name}: {error['ctx']['error']}")
     if error["type"] == "extra_forbidden":
         return JaxportError(f"{name}: unknown generation argument")
-    return JaxportError(f"{name}: {error['msg']}, got {error['input']!r}")
+    return JaxportError(f"{name}: {_problem(err)}")
 
 
 FASTDLLM_TOP_K = 50  # transformers' PretrainedConfig default, which reaches Fast-dLLM's generation config

@@ -1,6 +1,6 @@
 """Layers shared by the model families."""
 
-from jaxport.nn.attention import Attention, dot_product_attention, take_rows
+from jaxport.nn.attention import Attention, dot_product_attention, take_rows, window_at, write_at
 from jaxport.nn.dropout import dropout
 from jaxport.nn.initializers import truncated_normal
 from jaxport.nn.linear import Embedding, Linear, add_positions
@@ -13,6 +13,8 @@ __all__ = [
     "Attention",
     "dot_product_attention",
     "take_rows",
+    "window_at",
+    "write_at",
     "dropout",
     "truncated_normal",
     "Embedding",

@@ -184,6 +184,20 @@ def take_rows(a_BS: jax.Array, rows_BQ: jax.Array) -> jax.Array:
     return jnp.take_along_axis(a_BS, rows_BQ.reshape(rows_BQ.shape + (1,) * (a_BS.ndim - 2)), axis=1)
 
 
+def window_at(a_BN: jax.Array, start, size: int) -> jax.Array:
+    """`a[:, start : start + size]` along axis 1: one `start` for the batch (a scalar), or one per row (`[B]`)."""
+    if jnp.ndim(start) == 0:
+        return jax.lax.dynamic_slice_in_dim(a_BN, start, size, axis=1)
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, size, axis=0))(a_BN, start)
+
+
+def write_at(a_BN: jax.Array, values_BW: jax.Array, start) -> jax.Array:
+    """`a` with `values` written along axis 1 from `start`: one for the batch (a scalar), or one per row (`[B]`)."""
+    if jnp.ndim(start) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(a_BN, values_BW, start, axis=1)
+    return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice_in_dim(row, v, s, axis=0))(a_BN, values_BW, start)
+
+
 def _table_rows(table, rows_BQ):
     """The rows `rows_BQ` of a rotary table, `[S, D]` (shared by the batch) or `[B, S, D]`."""
     return table[rows_BQ] if table.ndim == 2 else take_rows(table, rows_BQ)
@@ -253,8 +267,9 @@ class Attention(nnx.Module):
         """`(output, (k_BTKD, v_BTKD))`: the output and the (rotated) keys/values attended over.
 
         With `kv_cache = (k, v)` of a longer sequence `[B, T, K, D]`, the `S` rows of `x` are its
-        positions `cache_index .. cache_index + S - 1`: their fresh keys/values replace the cached
-        ones there and the queries attend over all `T` positions (`mask` then covers `[.., S, T]`).
+        positions `cache_index .. cache_index + S - 1` (one index for the batch, or one per row `[B]`): their
+        fresh keys/values replace the cached ones there and the queries attend over all `T` positions (`mask`
+        then covers `[.., S, T]`).
         With `query_rows` (`[B, Q]` indices into the rows of `x`), only those rows query and get an
         output, `[B, Q, D]`, over the keys and values of every row (`mask` covers all `S` rows).
         Bidirectional attention only: a causal band would assume the rows are the last `S` positions.
@@ -275,9 +290,6 @@ class Attention(nnx.Module):
                 else take_rows(mask.swapaxes(1, 2), query_rows).swapaxes(1, 2)
             )
         if kv_cache is not None:
-            k, v = (
-                jax.lax.dynamic_update_slice_in_dim(cached, new.astype(cached.dtype), cache_index, axis=1)
-                for cached, new in zip(kv_cache, (k, v))
-            )
+            k, v = (write_at(cached, new.astype(cached.dtype), cache_index) for cached, new in zip(kv_cache, (k, v)))
         out = dot_product_attention(q, k, v, causal=self.causal, mask=mask)
         return self.o_proj(out.reshape(B, q.shape[1], self.num_heads * self.head_dim)), (k, v)
