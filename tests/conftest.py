@@ -36,6 +36,28 @@ def pytest_sessionstart(session):
     jax.config.update("jax_enable_compilation_cache", False)
 
 
+def free_compiled_programs():
+    """Frees the compiled programs nothing references any more. An XLA:CPU executable keeps a memory mapping per
+    section of each kernel it loaded (Dream's prefix cache at 256 new tokens: ~8,000 for one call, a program per
+    block), and a test worker that kept the programs of every module it ran reached the kernel's limit on mappings
+    (`vm.max_map_count`, 65530): LLVM's loader then aborted the next compilation."""
+    import gc
+
+    import jax
+
+    from jaxport.runtime import policy
+
+    gc.collect()
+    policy.jit_once.cache_clear()
+    jax.clear_caches()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_each_modules_programs():
+    yield
+    free_compiled_programs()
+
+
 def pytest_unconfigure(config):
     if getattr(config, "jaxport_xla_cache", None):
         shutil.rmtree(config.jaxport_xla_cache, ignore_errors=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_compiled_programs
 
 from jaxport import dream
 from jaxport.dream import fast
@@ -41,6 +42,13 @@ def claimed(case, size: str) -> list[int]:
     decisions = case["decisions"][size]
     doubtful = set(decisions["ties"]) | set(decisions["near_ties"])
     return [row for row in range(case["rows"]) if row not in doubtful]
+
+
+@pytest.fixture(autouse=True)
+def free_each_cases_programs():
+    """Each case compiles its own programs (the prefix cache: one per block), thousands of memory mappings apiece."""
+    yield
+    free_compiled_programs()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
