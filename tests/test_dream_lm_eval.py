@@ -72,7 +72,7 @@ def test_sort_task_through_the_cli(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    row = re.search(r"^\|jaxport_sort\s*\|.*\|exact_match\|.*?\|([0-9.]+)\|", done.stdout, re.M)
+    row = re.search(r"^\|jaxport_sort\s*\|.*\|exact_match\|.*?\|\s*([0-9.]+)\|", done.stdout, re.M)
     assert row, done.stdout
     assert float(row.group(1)) >= 0.9, done.stdout
     (results,) = out.rglob("results_*.json")

@@ -72,7 +72,7 @@ def task_model():
     return dream.load(TASK_MODEL)
 
 
-def solved(task_model, split: str, count: int = 24) -> tuple[dict, list]:
+def solved(task_model, split: str, count: int = 64) -> tuple[dict, list]:
     model, tokenizer = task_model
     problems = tasks.demo_test_problems(count, split=split)
     scores, completions = tasks.evaluate(
