@@ -76,6 +76,6 @@ def test_a_family_past_its_timeout_is_stopped_and_the_report_says_so(tmp_path):
     rows = json.loads((tmp_path / "suite.json").read_text())["sections"]["gpt"]
     stopped = [r for r in rows if r["side"] == "jaxport"]
     assert [r["status"] for r in stopped] == ["error"]
-    assert stopped[0]["reason"].endswith("stopped after --timeout 1 s")
+    assert stopped[0]["reason"].startswith("exit -9: ") and stopped[0]["reason"].endswith("stopped after --timeout 1 s")
     (line,) = [line for line in (tmp_path / "suite.md").read_text().splitlines() if "(the rest)" in line]
     assert "| error: " in line and line.endswith("stopped after --timeout 1 s |")  # after what the child printed
