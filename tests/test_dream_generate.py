@@ -231,3 +231,34 @@ def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
     fused = [line for line in hlo.splitlines() if '"kind":"__ynn_fusion"' in line]
     assert fused, "no YNNPACK fusion in the decoding program"
     assert all("/dot_general" in line for line in fused), [line[:200] for line in fused if "/dot_general" not in line]
+
+
+def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
+    """A greedy generation compiles without the vocabulary sort and the categorical draw (their buffers and compile
+    time); a top-p one holds the sort; a row needing a branch gets it; the server's programs hold every branch."""
+    from jaxport.dream.exact import exact_target
+    from jaxport.dream.program import prepare_generation
+    from jaxport.dream.sampling import Branches
+
+    inputs, _ = data
+    vocab = model.config.vocab_size
+
+    def compiled(**settings):
+        p = prepare_generation(
+            model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8, **settings
+        )
+        jitted, arguments = exact_target(model, p)
+        return p.program.branches, jitted.lower(*arguments).compile()
+
+    def vocabulary_sorts(program):
+        return [line for line in program.as_text().splitlines() if " sort(" in line and f",{vocab}]" in line]
+
+    greedy_branches, greedy = compiled()
+    assert greedy_branches == Branches(draw=False, filters=0)
+    assert not vocabulary_sorts(greedy)
+    top_p_branches, top_p = compiled(temperature=[0.0, 0.7], top_p=[1.0, 0.9])
+    assert top_p_branches == Branches(draw=True, filters=2)
+    assert vocabulary_sorts(top_p)
+    assert greedy.memory_analysis().temp_size_in_bytes < top_p.memory_analysis().temp_size_in_bytes
+    assert compiled(top_k=[None, 20])[0] == Branches(draw=False, filters=1)
+    assert compiled(top_k=[None, 200])[0] == Branches(draw=False, filters=2)

@@ -57,9 +57,11 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Pro
             logits = model.head(hidden_at(window_BW))
             if program.logits_hook is not None:
                 logits = program.logits_hook(step, x_BN, logits)
-            scores = sample_tokens(logits, sample_keys, window_BW, settings.alg, rows)
+            scores = sample_tokens(logits, sample_keys, window_BW, settings.alg, rows, program.branches)
         else:
-            scores = masked_scores(model.head, hidden_at, x_BN[:, first:] == mask_id, sample_keys, settings.alg, rows)
+            scores = masked_scores(
+                model.head, hidden_at, x_BN[:, first:] == mask_id, sample_keys, settings.alg, rows, program.branches
+            )
         # The count is shared by the batch: masks per row on average, truncated as int() does.
         num_mask = jnp.sum(x_BN == mask_id).astype(jnp.float32) / jnp.float32(B)
         n = jnp.floor(num_mask * ratios[step]).astype(jnp.int32)

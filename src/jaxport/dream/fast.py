@@ -141,7 +141,7 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: 
 
     def unmask_ranked(window_BW, hidden_at, step, sample_keys, select_keys, active_B1):
         is_mask = window_BW == mask_id
-        scores = masked_scores(model.head, hidden_at, is_mask, sample_keys, settings.alg, rows)
+        scores = masked_scores(model.head, hidden_at, is_mask, sample_keys, settings.alg, rows, program.branches)
         n = transfer_count(is_mask, step, active_B1)
         p_transfer = ratios[jnp.minimum(step, schedule_steps - 1)]
         return unmask(window_BW, scores, select_keys, n, p_transfer, alg=settings.alg, rows=rows, mask_token_id=mask_id)
@@ -152,7 +152,9 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: 
         scores = Scores(
             *(
                 a[:, 0]
-                for a in sample_tokens(model.head(hidden_at(first_BS)), sample_keys, first_BS, settings.alg, rows)
+                for a in sample_tokens(
+                    model.head(hidden_at(first_BS)), sample_keys, first_BS, settings.alg, rows, program.branches
+                )
             )
         )
         was_mask = window_BW[:, 0] == mask_id

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxport import runtime
-from jaxport.dream.sampling import Rows
+from jaxport.dream.sampling import Branches, Rows
 from jaxport.dream.settings import GenerationSettings, ProgramSettings
 from jaxport.errors import JaxportError
 
@@ -44,6 +44,7 @@ class Program:
     settings: ProgramSettings
     mask_token_id: int
     first: int  # the first canvas position that can hold a mask token
+    branches: Branches = Branches()  # the sampler's vocabulary-sized branches: all, or those its rows need
     output_history: bool = False
     output_scores: bool = False
     tokens_hook: Callable | None = None
@@ -200,6 +201,7 @@ def prepare_generation(
         )
         attention_mask = np.pad(attention_mask.astype(bool), ((0, 0), (0, new_tokens)), constant_values=True)
     x = np.concatenate([input_ids.astype(np.int32), np.full((B, new_tokens), mask_token_id, np.int32)], axis=1)
+    rows = Rows.of(checked.row.rows(B))
     program = Program(
         settings=checked.program,
         mask_token_id=mask_token_id,
@@ -209,8 +211,8 @@ def prepare_generation(
         tokens_hook=generation_tokens_hook_func,
         logits_hook=generation_logits_hook_func,
         progress=progress,
+        branches=Branches.needed(rows),
     )
-    rows = Rows.of(checked.row.rows(B))
     x, attention_mask, keys, *rows = model.place_batch(x, attention_mask, row_keys(rng, B), *rows)
     return Prepared(x, attention_mask, keys, Rows(*rows), program)
 

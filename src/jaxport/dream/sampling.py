@@ -8,8 +8,10 @@ Upstream's `sample_tokens` (a candidate token and a confidence per position), th
 The sampling settings are data: every row has its own temperature, top-p, top-k, `alg_temp`, threshold and random
 key (`[B]` arrays), so one compiled program serves every value. What only some settings need (the vocabulary sort
 of top-p, the partial sort of top-k, the categorical draw, the Gumbel noise of `alg_temp`) runs under `lax.cond` /
-`lax.switch` on whether any row needs it, so a greedy batch costs what it did with the settings compiled in. A row's
-draws come from its own key, per position of its window, so they do not depend on the other rows of the batch.
+`lax.switch` on whether any row needs it. The vocabulary-sized branches are also part of the program's shape
+(`Branches`): a program holds those its rows can need, so a greedy generation compiles and runs without the sort's
+buffers, while a server's programs hold them all (any request runs without compiling). A row's draws come from its
+own key, per position of its window, so they do not depend on the other rows of the batch.
 """
 
 from collections.abc import Sequence
@@ -59,6 +61,23 @@ class Rows(NamedTuple):
             column("alg_temp", 0.0, np.float32),
             column("threshold", np.inf, np.float32),
         )
+
+
+class Branches(NamedTuple):
+    """Which vocabulary-sized branches of `sample_tokens` a program contains (static): the categorical draw of a
+    temperature, and the filters up to `filters` (0 none, 1 the partial sort of a small top-k, 2 also the
+    vocabulary sort of top-p or a large top-k). The default holds them all; a row needing a branch the program
+    lacks is a caller's error (`needed` gives what rows need)."""
+
+    draw: bool = True
+    filters: int = 2
+
+    @classmethod
+    def needed(cls, rows: Rows) -> "Branches":
+        """What the host arrays `rows` need."""
+        top_p, top_k = np.asarray(rows.top_p), np.asarray(rows.top_k)
+        filters = 2 if (top_p < 1).any() or (top_k > PARTIAL_TOP_K).any() else 1 if (top_k > 0).any() else 0
+        return cls(draw=bool((np.asarray(rows.temperature) > 0).any()), filters=filters)
 
 
 def timesteps(steps: int, eps: float) -> np.ndarray:
@@ -125,7 +144,9 @@ def _per_position(value_B: jax.Array, S: int) -> jax.Array:
     return jnp.repeat(value_B, S, axis=0)
 
 
-def sample_tokens(logits_BSV: jax.Array, keys_B, positions_BS: jax.Array, alg: str, rows: Rows) -> Scores:
+def sample_tokens(
+    logits_BSV: jax.Array, keys_B, positions_BS: jax.Array, alg: str, rows: Rows, branches: Branches = Branches()
+) -> Scores:
     """Upstream `sample_tokens` from logits `[B, S, V]`: per position the candidate token, its probability and the
     confidence `alg` ranks by: maskgit_plus/origin the candidate's probability, topk_margin top-1 minus top-2
     probability, entropy the negative entropy. Computed in float32; the confidence is returned in the logits dtype.
@@ -136,11 +157,9 @@ def sample_tokens(logits_BSV: jax.Array, keys_B, positions_BS: jax.Array, alg: s
     temperature, top_p, top_k = (_per_position(v, S) for v in (rows.temperature, rows.top_p, rows.top_k))
     logits = logits / jnp.where(temperature > 0, temperature, 1)[:, None]  # x / 1 is x, bit for bit
     filters = jnp.where(jnp.any(top_p < 1) | jnp.any(top_k > PARTIAL_TOP_K), 2, jnp.where(jnp.any(top_k > 0), 1, 0))
-    logits = jax.lax.switch(
-        filters,
-        [lambda lg: lg, lambda lg: top_k_filter(lg, top_k), lambda lg: sorted_filters(lg, top_p, top_k)],
-        logits,
-    )
+    filtered = [lambda lg: lg, lambda lg: top_k_filter(lg, top_k), lambda lg: sorted_filters(lg, top_p, top_k)]
+    if branches.filters:
+        logits = jax.lax.switch(jnp.minimum(filters, branches.filters), filtered[: branches.filters + 1], logits)
     probs = jax.nn.softmax(logits, axis=-1)
     top1, first_top = _max_and_argmax(probs)
 
@@ -149,7 +168,9 @@ def sample_tokens(logits_BSV: jax.Array, keys_B, positions_BS: jax.Array, alg: s
         x0 = jnp.where(temperature > 0, jax.vmap(jax.random.categorical)(keys, logits), first_top)
         return x0, jnp.take_along_axis(probs, x0[:, None], axis=-1)[:, 0]
 
-    x0, confidence = jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: (first_top, top1))
+    x0, confidence = first_top, top1
+    if branches.draw:
+        x0, confidence = jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: (first_top, top1))
     probability = confidence
     if alg == "topk_margin":
         # top-1 minus top-2 probability; a tied maximum gives 0 as the sorted pair does
@@ -175,7 +196,7 @@ def bucket_sizes(width: int, buckets: int = 4) -> list[int]:
     return sorted({min(width, unit * k) for k in range(1, buckets + 1)})
 
 
-def masked_scores(head, hidden_at, is_mask_BW, keys_B, alg: str, rows: Rows) -> Scores:
+def masked_scores(head, hidden_at, is_mask_BW, keys_B, alg: str, rows: Rows, branches: Branches = Branches()) -> Scores:
     """`sample_tokens` at every mask position of the window, computing the vocabulary projection `head` and the
     sampler only there: the masks are packed to the front into the smallest static bucket that holds every row's
     count (`lax.switch`), then scattered back (-inf, 0 and 0 elsewhere). `hidden_at(index_BS)` gives the final
@@ -190,7 +211,9 @@ def masked_scores(head, hidden_at, is_mask_BW, keys_B, alg: str, rows: Rows) -> 
     def packed(size):
         def run(_):
             index_BS = order_BW[:, :size]
-            confidence, x0, probability = sample_tokens(head(hidden_at(index_BS)), keys_B, index_BS, alg, rows)
+            confidence, x0, probability = sample_tokens(
+                head(hidden_at(index_BS)), keys_B, index_BS, alg, rows, branches
+            )
             return Scores(
                 jnp.full((B, W), -jnp.inf, confidence.dtype).at[batch, index_BS].set(confidence),
                 jnp.zeros((B, W), jnp.int32).at[batch, index_BS].set(x0),

@@ -45,6 +45,7 @@ from flax import nnx
 from jaxport.dream.engine import Lane, RunningBatch
 from jaxport.dream.fast import generate_blocks
 from jaxport.dream.program import decoding_program
+from jaxport.dream.sampling import Branches
 from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
 from jaxport.dream.tokenizer import DreamTokenizer
 from jaxport.errors import JaxportError
@@ -212,6 +213,8 @@ class CompiledPrograms:
         return len(self.pinned) + len(self.extra)
 
     def __call__(self, function, static: dict, x_BN, *dynamic):
+        # every program holds all the sampler's branches, so any request's settings run without compiling
+        static = {**static, "program": dataclasses.replace(static["program"], branches=Branches())}
         leaves, tree = jax.tree.flatten((x_BN, dynamic))
         signature = (function, tuple(sorted(static.items())), tree, tuple(map(_spec, leaves)))
         program = self.pinned.get(signature)
