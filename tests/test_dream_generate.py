@@ -260,5 +260,50 @@ def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
     assert top_p_branches == Branches(draw=True, filters=2)
     assert vocabulary_sorts(top_p)
     assert greedy.memory_analysis().temp_size_in_bytes < top_p.memory_analysis().temp_size_in_bytes
-    assert compiled(top_k=[None, 20])[0] == Branches(draw=False, filters=1)
+    top_k_branches, top_k = compiled(top_k=[None, 20])
+    assert top_k_branches == Branches(draw=False, filters=1)
+    assert not vocabulary_sorts(top_k)  # a partial sort (XLA:CPU's TopK), not a sort of the vocabulary
     assert compiled(top_k=[None, 200])[0] == Branches(draw=False, filters=2)
+
+
+def _filters_reference(logits_V: np.ndarray, top_p: float, top_k: int) -> np.ndarray:
+    """Top-p then top-k as upstream's `top_p_logits` / `top_k_logits`, with a stable sort (ties: lowest id first)."""
+    order = np.argsort(-logits_V, kind="stable")
+    sorted_V = logits_V[order]
+    probabilities = np.exp(sorted_V - sorted_V[0]) / np.exp(sorted_V - sorted_V[0]).sum()
+    remove_sorted = np.zeros(len(order), bool)
+    if top_p < 1:
+        remove_sorted[1:] = np.cumsum(probabilities)[:-1] > top_p
+    remove = np.zeros(len(order), bool)
+    remove[order] = remove_sorted
+    if top_k:
+        kept = np.where(remove, -np.inf, logits_V)
+        remove |= kept < np.sort(kept)[::-1][min(top_k, len(kept)) - 1]
+    return remove
+
+
+def test_sampling_filters_match_a_sorted_reference_row_by_row():
+    """Top-p and top-k read off a partial sort, or the whole vocabulary's sort when a row's survivors lie beyond it:
+    the tokens a stable sort removes, ties at the cut included, and each row's the same whatever its batch."""
+    from jaxport.dream.sampling import PARTIAL_SORT, filters
+
+    rng = np.random.default_rng(0)
+    V = 4 * PARTIAL_SORT
+    peaked = rng.normal(size=(8, V)) * 8  # narrow nuclei: the partial sort holds them
+    flat = rng.normal(size=(4, V)) * 0.1  # wide nuclei: the whole sort
+    tied = np.round(rng.normal(size=(4, V)) * 3)  # many equal logits at every cut
+    logits = np.concatenate([peaked, flat, tied]).astype(np.float32)
+    top_p = np.array([1, 0.3, 0.9, 0.97, 1, 0.5, 1, 0.8, 0.9, 1, 0.6, 0.99, 0.5, 1, 0.95, 0.7], np.float32)
+    top_k = np.array([0, 0, 0, 10, 20, 3, PARTIAL_SORT + 5, 0, 0, 30, 7, 0, 0, 5, 2, 0], np.int32)
+    removed = (
+        np.asarray(filters(jnp.asarray(logits), jnp.asarray(top_p), jnp.asarray(top_k))) == np.finfo(np.float32).min
+    )
+    for r in range(len(logits)):
+        expected = _filters_reference(logits[r].astype(np.float64), float(top_p[r]), int(top_k[r]))
+        np.testing.assert_array_equal(removed[r], expected, err_msg=f"row {r}")
+        alone = filters(jnp.asarray(logits[r : r + 1]), jnp.asarray(top_p[r : r + 1]), jnp.asarray(top_k[r : r + 1]))
+        np.testing.assert_array_equal(np.asarray(alone)[0] == np.finfo(np.float32).min, removed[r], err_msg=f"row {r}")
+    kept = (~removed).sum(axis=-1)
+    assert (
+        kept[[1, 2, 3, 5, 7]].max() < PARTIAL_SORT < kept[[8, 11]].min()
+    )  # alone: the partial sort; in the batch: not

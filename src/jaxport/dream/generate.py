@@ -33,10 +33,10 @@ warnings.warn(
 
 
 def top_p_filter(logits, top_p: float):
-    """One top-p for every row of `logits [..., V]` (the sampler now takes one per row: `sampling.sorted_filters`)."""
+    """One top-p for every row of `logits [..., V]` (the sampler now takes one per row: `sampling.filters`)."""
     rows = logits.reshape(-1, logits.shape[-1])
     R = rows.shape[0]
-    kept = sampling.sorted_filters(rows, jnp.full((R,), top_p, jnp.float32), jnp.zeros((R,), jnp.int32))
+    kept = sampling.filters(rows, jnp.full((R,), top_p, jnp.float32), jnp.zeros((R,), jnp.int32))
     return kept.reshape(logits.shape)
 
 
@@ -44,7 +44,7 @@ def top_k_filter(logits, top_k: int):
     """One top-k for every row of `logits [..., V]` (the sampler now takes one per row)."""
     rows = logits.reshape(-1, logits.shape[-1])
     R = rows.shape[0]
-    kept = sampling.sorted_filters(rows, jnp.ones((R,), jnp.float32), jnp.full((R,), top_k, jnp.int32))
+    kept = sampling.filters(rows, jnp.ones((R,), jnp.float32), jnp.full((R,), top_k, jnp.int32))
     return kept.reshape(logits.shape)
 
 

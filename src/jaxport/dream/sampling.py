@@ -6,12 +6,12 @@ Upstream's `sample_tokens` (a candidate token and a confidence per position), th
 (`jaxport.dream.fast`) both use these; only these functions read the per-row settings (`Rows`).
 
 The sampling settings are data: every row has its own temperature, top-p, top-k, `alg_temp`, threshold and random
-key (`[B]` arrays), so one compiled program serves every value. What only some settings need (the vocabulary sort
-of top-p, the partial sort of top-k, the categorical draw, the Gumbel noise of `alg_temp`) runs under `lax.cond` /
-`lax.switch` on whether any row needs it. The vocabulary-sized branches are also part of the program's shape
-(`Branches`): a program holds those its rows can need, so a greedy generation compiles and runs without the sort's
-buffers, while a server's programs hold them all (any request runs without compiling). A row's draws come from its
-own key, per position of its window, so they do not depend on the other rows of the batch.
+key (`[B]` arrays), so one compiled program serves every value. What only some settings need (the filters' sorts,
+the categorical draw, the Gumbel noise of `alg_temp`) runs under `lax.cond` on whether any row needs it. The
+vocabulary-sized branches are also part of the program's shape (`Branches`): a program holds those its rows can
+need, so a greedy generation compiles and runs without their buffers, while a server's programs hold them all (any
+request runs without compiling). A row's draws come from its own key, per position of its window, so they do not
+depend on the other rows of the batch.
 """
 
 from collections.abc import Sequence
@@ -23,8 +23,9 @@ import numpy as np
 
 from jaxport.dream.settings import RowSettings
 
-# top_k up to this runs a partial sort (`lax.top_k`); a larger one sorts the whole vocabulary, as top_p does
-PARTIAL_TOP_K = 64
+# The filters' survivors are read off this many largest logits of a row (a partial sort) when they lie among them;
+# the rest of a batch's rows decide whether the whole vocabulary is sorted (docs/performance.md, "Sampling filters")
+PARTIAL_SORT = 64
 
 
 class Scores(NamedTuple):
@@ -65,18 +66,19 @@ class Rows(NamedTuple):
 
 class Branches(NamedTuple):
     """Which vocabulary-sized branches of `sample_tokens` a program contains (static): the categorical draw of a
-    temperature, and the filters up to `filters` (0 none, 1 the partial sort of a small top-k, 2 also the
-    vocabulary sort of top-p or a large top-k). The default holds them all; a row needing a branch the program
-    lacks is a caller's error (`needed` gives what rows need)."""
+    temperature, and the filters up to `filters` (0 none, 1 the partial sort that serves top-k up to
+    `PARTIAL_SORT`, 2 also the whole vocabulary's sort that a wide top-p nucleus or a larger top-k needs). The
+    default holds them all; a row needing a branch the program lacks is a caller's error (`needed` gives what rows
+    need)."""
 
     draw: bool = True
     filters: int = 2
 
     @classmethod
     def needed(cls, rows: Rows) -> "Branches":
-        """What the host arrays `rows` need."""
+        """What the host arrays `rows` need (top-p may need the whole sort: its survivors depend on the logits)."""
         top_p, top_k = np.asarray(rows.top_p), np.asarray(rows.top_k)
-        filters = 2 if (top_p < 1).any() or (top_k > PARTIAL_TOP_K).any() else 1 if (top_k > 0).any() else 0
+        filters = 2 if (top_p < 1).any() or (top_k > PARTIAL_SORT).any() else 1 if (top_k > 0).any() else 0
         return cls(draw=bool((np.asarray(rows.temperature) > 0).any()), filters=filters)
 
 
@@ -110,26 +112,49 @@ def _kth(values_RK: jax.Array, top_k_R: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values_RK, jnp.clip(top_k_R - 1, 0, values_RK.shape[-1] - 1)[:, None], axis=-1)
 
 
-def top_k_filter(logits_RV: jax.Array, top_k_R: jax.Array) -> jax.Array:
-    """Keep each row's `top_k` most likely tokens (ties at the k-th value kept); rows with `top_k` 0 keep all.
-    A partial sort of `PARTIAL_TOP_K` values; `top_k` above that goes through `sorted_filters`."""
-    top = jax.lax.top_k(logits_RV, min(PARTIAL_TOP_K, logits_RV.shape[-1]))[0]
-    return _removed(logits_RV, (top_k_R > 0)[:, None] & (logits_RV < _kth(top, top_k_R)))
+def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
+    """Which tokens top-p, then top-k, remove `[R, V]`, from each row's `K` largest logits in descending order
+    (`sorted_RK`) and its softmax normalizer; and whether the row's survivors lie among those `K` (`[R]`).
+
+    Top-p keeps the most likely tokens whose cumulative probability first exceeds `top_p` (the token that crosses
+    it stays; at equal logits the lowest ids first, a stable order); a row with `top_p` 1 keeps all, whatever the
+    rounding of its cumulative sum. Top-k then keeps the survivors at or above their `top_k`-th value. The
+    survivors are found in vocabulary order by value, and at the cut's value by a running count of equal logits:
+    no permutation is scattered back (a slow scatter over the vocabulary on XLA:CPU)."""
+    K, has_p = sorted_RK.shape[-1], top_p_R < 1
+    probabilities = jnp.exp(sorted_RK - sorted_RK[:, :1]) / normalizer_R1
+    cumulative = jnp.cumsum(probabilities, axis=-1)
+    kept = jnp.where(has_p, 1 + jnp.sum(cumulative[:, :-1] <= top_p_R[:, None], axis=-1), logits_RV.shape[-1])
+    fits = (~has_p | (cumulative[:, -1] > top_p_R)) & (top_k_R <= K)
+    kept_R1 = kept[:, None]
+    cut = jnp.take_along_axis(sorted_RK, jnp.minimum(kept_R1, K) - 1, axis=-1)
+    above, at_cut = logits_RV > cut, logits_RV == cut
+    first_at_cut = jnp.cumsum(at_cut, axis=-1, dtype=jnp.int32) <= kept_R1 - jnp.sum(above, -1, keepdims=True)
+    remove = has_p[:, None] & ~(above | (at_cut & first_at_cut))
+    survivors = jnp.where(jnp.arange(K) < kept_R1, sorted_RK, jnp.finfo(sorted_RK.dtype).min)
+    kth = jnp.take_along_axis(survivors, jnp.clip(top_k_R - 1, 0, K - 1)[:, None], axis=-1)
+    return remove | ((top_k_R > 0)[:, None] & (_removed(logits_RV, remove) < kth)), fits
 
 
-def sorted_filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array) -> jax.Array:
-    """Top-p, then top-k, from one sort of the vocabulary. Top-p keeps the most likely tokens whose cumulative
-    probability first exceeds `top_p` (the token that crosses it stays); a row with `top_p` 1 keeps all, whatever
-    the rounding of its cumulative sum."""
-    order = jnp.argsort(-logits_RV, axis=-1, stable=True)
-    sorted_RV = jnp.take_along_axis(logits_RV, order, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(sorted_RV, axis=-1), axis=-1)
-    beyond = cumulative > top_p_R[:, None]
-    remove = jnp.concatenate([jnp.zeros_like(beyond[:, :1]), beyond[:, :-1]], axis=-1) & (top_p_R < 1)[:, None]
-    # the top-p survivors in the same order, so top-k's k-th value is read off them
-    kept = _removed(sorted_RV, remove)
-    remove = remove | ((top_k_R > 0)[:, None] & (kept < _kth(kept, top_k_R)))
-    return _removed(logits_RV, jnp.put_along_axis(jnp.zeros_like(remove), order, remove, axis=-1, inplace=False))
+def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: bool = True) -> jax.Array:
+    """Each row's logits with top-p, then top-k, applied (`_filtered_out`); `top_p` 1 and `top_k` 0 filter nothing.
+
+    The survivors are read off a partial sort of `PARTIAL_SORT` logits; when some row's lie beyond it (a wide
+    nucleus, a large top-k) the whole vocabulary is sorted, which a program built with `sort=False` leaves out (its
+    rows must have no top-p and top-k up to `PARTIAL_SORT`). A row's result is the same either way."""
+    V = logits_RV.shape[-1]
+    # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
+    partial_RK = jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, min(PARTIAL_SORT, V))[0])
+    normalizer = jnp.sum(jnp.exp(logits_RV - partial_RK[:, :1]), axis=-1, keepdims=True)
+    remove, fits = _filtered_out(logits_RV, partial_RK, normalizer, top_p_R, top_k_R)
+    if sort and V > PARTIAL_SORT:
+
+        def whole_sort():
+            whole, _ = _filtered_out(logits_RV, -jnp.sort(-logits_RV, axis=-1), normalizer, top_p_R, top_k_R)
+            return jnp.where(fits[:, None], remove, whole)
+
+        remove = jax.lax.cond(jnp.all(fits), lambda: remove, whole_sort)
+    return _removed(logits_RV, remove)
 
 
 def _max_and_argmax(a_RV: jax.Array):
@@ -156,10 +181,13 @@ def sample_tokens(
     logits = logits_BSV.reshape(B * S, V).astype(jnp.float32)
     temperature, top_p, top_k = (_per_position(v, S) for v in (rows.temperature, rows.top_p, rows.top_k))
     logits = logits / jnp.where(temperature > 0, temperature, 1)[:, None]  # x / 1 is x, bit for bit
-    filters = jnp.where(jnp.any(top_p < 1) | jnp.any(top_k > PARTIAL_TOP_K), 2, jnp.where(jnp.any(top_k > 0), 1, 0))
-    filtered = [lambda lg: lg, lambda lg: top_k_filter(lg, top_k), lambda lg: sorted_filters(lg, top_p, top_k)]
     if branches.filters:
-        logits = jax.lax.switch(jnp.minimum(filters, branches.filters), filtered[: branches.filters + 1], logits)
+        logits = jax.lax.cond(
+            jnp.any(top_p < 1) | jnp.any(top_k > 0),
+            lambda lg: filters(lg, top_p, top_k, sort=branches.filters > 1),
+            lambda lg: lg,
+            logits,
+        )
     probs = jax.nn.softmax(logits, axis=-1)
     top1, first_top = _max_and_argmax(probs)
 
