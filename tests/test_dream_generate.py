@@ -303,6 +303,11 @@ def test_sampling_filters_match_a_sorted_reference_row_by_row():
         np.testing.assert_array_equal(removed[r], expected, err_msg=f"row {r}")
         alone = filters(jnp.asarray(logits[r : r + 1]), jnp.asarray(top_p[r : r + 1]), jnp.asarray(top_k[r : r + 1]))
         np.testing.assert_array_equal(np.asarray(alone)[0] == np.finfo(np.float32).min, removed[r], err_msg=f"row {r}")
+    top_k_only = (top_p == 1) & (top_k <= PARTIAL_SORT)  # what a program without the whole sort serves
+    partial = filters(
+        jnp.asarray(logits[top_k_only]), jnp.asarray(top_p[top_k_only]), jnp.asarray(top_k[top_k_only]), sort=False
+    )
+    np.testing.assert_array_equal(np.asarray(partial) == np.finfo(np.float32).min, removed[top_k_only])
     kept = (~removed).sum(axis=-1)
     assert (
         kept[[1, 2, 3, 5, 7]].max() < PARTIAL_SORT < kept[[8, 11]].min()

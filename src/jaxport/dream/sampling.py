@@ -132,8 +132,7 @@ def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
     first_at_cut = jnp.cumsum(at_cut, axis=-1, dtype=jnp.int32) <= kept_R1 - jnp.sum(above, -1, keepdims=True)
     remove = has_p[:, None] & ~(above | (at_cut & first_at_cut))
     survivors = jnp.where(jnp.arange(K) < kept_R1, sorted_RK, jnp.finfo(sorted_RK.dtype).min)
-    kth = jnp.take_along_axis(survivors, jnp.clip(top_k_R - 1, 0, K - 1)[:, None], axis=-1)
-    return remove | ((top_k_R > 0)[:, None] & (_removed(logits_RV, remove) < kth)), fits
+    return remove | ((top_k_R > 0)[:, None] & (_removed(logits_RV, remove) < _kth(survivors, top_k_R))), fits
 
 
 def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: bool = True) -> jax.Array:
@@ -145,6 +144,8 @@ def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: 
     V = logits_RV.shape[-1]
     # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
     partial_RK = jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, min(PARTIAL_SORT, V))[0])
+    if not sort:  # no row has a top-p: top-k alone
+        return _removed(logits_RV, (top_k_R > 0)[:, None] & (logits_RV < _kth(partial_RK, top_k_R)))
     normalizer = jnp.sum(jnp.exp(logits_RV - partial_RK[:, :1]), axis=-1, keepdims=True)
     remove, fits = _filtered_out(logits_RV, partial_RK, normalizer, top_p_R, top_k_R)
     if sort and V > PARTIAL_SORT:
