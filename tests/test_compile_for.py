@@ -91,6 +91,24 @@ def test_a_bad_slice_name_is_one_clear_error(name, message):
         topologies.parse_slice(name)
 
 
+def test_the_flops_line_counts_loops_of_unknown_length_once():
+    """A program with many loops of unknown trip count (a scan over layers inside one of known length) says how
+    many there are in one clause, and lists the known lengths only."""
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    program = compile_for.Program("a step", None, (), mesh, "no --mesh")
+    hlo = compile_for.HloSummary(collectives=[], loops=[2, *[None] * 190, 1], extra_flops=1e12, extra_traffic_share=0)
+    report = compile_for.Report(
+        topologies.parse_slice("v5p-64"), program, "0", flops=1e12, hbm_bytes=1e9, hlo=hlo, needed=2**30
+    )
+    line = next(line for line in compile_for.format_report(report).splitlines() if "FLOPs" in line)
+    assert "?" not in line
+    assert "its loop(s) of 2 iterations added" in line
+    assert "190 loop(s) of unknown length counted once" in line
+
+
 def test_without_libtpu_the_flag_says_what_to_install(monkeypatch):
     monkeypatch.setattr(compile_for, "libtpu_version", lambda: None)
     with pytest.raises(JaxportError, match=r"libtpu, which is not installed: pip install 'jaxport\[tpu\]'"):

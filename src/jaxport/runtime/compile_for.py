@@ -479,16 +479,15 @@ def format_report(report: Report) -> str:
         f"{chip.name} device's {size(report.hbm)} HBM: {verdict}"
     )
     if report.flops:
-        loops = [n for n in report.hlo.loops if n != 1]
-        unknown = sum(n is None for n in loops)
+        known = [n for n in report.hlo.loops if n is not None and n != 1]
+        unknown = sum(n is None for n in report.hlo.loops)
         text = f"{count(report.total_flops, 'FLOP')} per device per call"
-        if loops:
-            text += (
-                f" (XLA's count, {count(report.flops, 'FLOP')}, takes each loop's body once; the matrix products of "
-                f"the other iterations of its loop(s) of {', '.join('?' if n is None else str(n) for n in loops)} "
-                f"iterations added"
-                + (f"; {unknown} loop(s) of unknown length counted once: a bound from below)" if unknown else ")")
-            )
+        if known or unknown:
+            text += f" (XLA's count, {count(report.flops, 'FLOP')}, takes each loop's body once"
+            if known:
+                lengths = ", ".join(map(str, known))
+                text += f"; the matrix products of the other iterations of its loop(s) of {lengths} iterations added"
+            text += f"; {unknown} loop(s) of unknown length counted once: a bound from below)" if unknown else ")"
         else:
             text += " (XLA's count)"
         devices = program.mesh.devices.size
