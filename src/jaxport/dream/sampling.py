@@ -148,7 +148,7 @@ def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: 
         return _removed(logits_RV, (top_k_R > 0)[:, None] & (logits_RV < _kth(partial_RK, top_k_R)))
     normalizer = jnp.sum(jnp.exp(logits_RV - partial_RK[:, :1]), axis=-1, keepdims=True)
     remove, fits = _filtered_out(logits_RV, partial_RK, normalizer, top_p_R, top_k_R)
-    if sort and V > PARTIAL_SORT:
+    if V > PARTIAL_SORT:
 
         def whole_sort():
             whole, _ = _filtered_out(logits_RV, -jnp.sort(-logits_RV, axis=-1), normalizer, top_p_R, top_k_R)
