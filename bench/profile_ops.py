@@ -5,6 +5,7 @@ the matrix products.
     python bench/profile_ops.py trm_step [--mixer attention] [--dtype bfloat16] [--batch 32] [--size paper|demo]
     python bench/profile_ops.py gpt_step [--config shakespeare] [--dropout 0.0]
     python bench/profile_ops.py dream [--new-tokens 64] [--batch 1]
+    python bench/profile_ops.py dream_fastdllm [--new-tokens 128] [--batch 1] --repeat 20
 
 Needs the `xprof` package's trace format only as far as `jax.profiler` writes it (trace.json.gz).
 """
@@ -190,6 +191,7 @@ def gpt_step(args):
 
 
 def dream(args):
+    """The exact path of the 40M config's random weights, `--new-tokens` tokens in as many steps."""
     from flax import nnx
 
     from jaxport import dream as dream_lib
@@ -202,17 +204,49 @@ def dream(args):
         model, ids, None, max_new_tokens=args.new_tokens, steps=args.new_tokens, alg="entropy"
     )
     graphdef, state = nnx.split(model)
+    p = prepared
 
-    def generate(state, x, key):
-        return exact_loop(graphdef, state, x, prepared.valid_BN, key, prepared.program)
+    def generate(state, x, keys):
+        return exact_loop(graphdef, state, x, p.valid_BN, keys, p.rows, p.program)
 
     # the runtime jaxport decodes with
-    return generate, (state, prepared.x_BN, prepared.key), runtime.for_tokens(prepared.x_BN, model.dtype)
+    return generate, (state, p.x_BN, p.keys_B), runtime.for_tokens(p.x_BN, model.dtype)
+
+
+def dream_fastdllm(args):
+    """The first block of `bench/compare.py --only fastdllm`'s case (a): the task model decoding a held-out prompt
+    as Fast-dLLM decodes it (threshold 0.9, dual cache, blocks of 32, `--new-tokens` new tokens)."""
+    from pathlib import Path
+
+    from flax import nnx
+
+    from jaxport import dream as dream_lib
+    from jaxport.dream import tasks
+    from jaxport.dream.fast import _block
+    from jaxport.dream.params import load_model
+    from jaxport.dream.program import prepare_generation
+    from jaxport.dream.settings import fastdllm_settings
+
+    folder = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "dream" / "task_model"
+    config = dream_lib.DreamConfig.from_model_dir(folder)
+    model, tokenizer = load_model(folder, config), dream_lib.DreamTokenizer.from_model_dir(folder, config)
+    prompts = [tokenizer.encode(problem.prompt) for problem in tasks.demo_test_problems(args.batch)]
+    ids = np.array([row + [row[-1]] * (max(map(len, prompts)) - len(row)) for row in prompts], np.int32)
+    settings = fastdllm_settings(
+        steps=args.new_tokens, alg="confidence_threshold", threshold=0.9, block_length=32, dual_cache=True
+    )
+    p = prepare_generation(model, ids, None, max_new_tokens=args.new_tokens, blockwise=True, **settings)
+    graphdef, state = nnx.split(model)
+
+    def block(state, x, keys):
+        return _block(graphdef, state, x, p.valid_BN, keys, p.rows, np.int32(0), p.program, False)
+
+    return block, (state, p.x_BN, p.keys_B), runtime.for_tokens(p.x_BN, model.dtype)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["trm_step", "gpt_step", "dream"])
+    parser.add_argument("workload", choices=["trm_step", "gpt_step", "dream", "dream_fastdllm"])
     parser.add_argument("--mixer", default="attention")
     parser.add_argument("--size", default="paper", choices=["paper", "demo"], help="TRM size")
     parser.add_argument("--dtype", default="float32")
@@ -224,7 +258,7 @@ def main():
     parser.add_argument("--kind", default=None, help="list only ops of this kind (dot, convert, transpose, ...)")
     parser.add_argument("--repeat", type=int, default=1, help="calls to trace; times are their average")
     args = parser.parse_args()
-    workload = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream}[args.workload]
+    workload = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream, "dream_fastdllm": dream_fastdllm}[args.workload]
     function, call_args, step_runtime = workload(args)
     profile(function, call_args, step_runtime, args.top, args.kind, args.repeat)
 

@@ -13,7 +13,9 @@ import pytest
 
 from jaxport import cli, dream
 from jaxport.dream import fast
-from jaxport.dream.program import padding_inputs, prepare_generation
+from jaxport.dream.engine import Lane, RunningBatch
+from jaxport.dream.program import JitPrograms, padding_inputs, prepare_generation
+from jaxport.dream.settings import GenerationSettings, RowSettings
 from jaxport.errors import JaxportError
 
 CASE = Path(__file__).parent / "fixtures" / "dream" / "tiny_sharded"
@@ -418,3 +420,49 @@ def test_a_prompt_that_fills_its_bucket_decodes_alone_as_beside_a_shorter_one(lo
     np.testing.assert_array_equal(np.asarray(two.confidence)[:, 0], np.asarray(mixed.confidence)[:, 0])
     for out in (two, mixed):
         np.testing.assert_array_equal(np.asarray(one.sequences)[0], np.asarray(out.sequences)[0])
+
+
+def test_a_running_batch_runs_at_the_smallest_size_that_holds_its_rows(loaded):
+    """Rows joining and leaving a running batch (continuous batching) at block boundaries: each call gathers the
+    occupied slots into the smallest compiled batch size, and each row gets `diffusion_generate`'s tokens alone."""
+    model, tokenizer = loaded
+    settings = GenerationSettings.of(steps=16, block_length=4, cache="dual", alg="entropy").check(16).program
+    lane = Lane.of(16, 16, 16, settings)
+    jitted, call_sizes = JitPrograms(model), []
+
+    def programs(function, static, x_BN, *dynamic):
+        call_sizes.append(x_BN.shape[0])
+        return jitted(function, static, x_BN, *dynamic)
+
+    batch = RunningBatch(model, lane, 4, programs, tokenizer.pad_token_id, tokenizer.mask_token_id, sizes=[1, 2, 4])
+    rows = {"def add(a, b):": 16, "x =": 8, "import numpy as np": 16}
+    ids, valid = tokenizer(list(rows), pad_to=16)
+    slots, spans = {}, {}
+
+    def join(i):
+        prompt = list(rows)[i]
+        slots[batch.join(prompt, ids[i], valid[i], rows[prompt], RowSettings(), jax.random.key(i))] = prompt
+
+    join(0)
+    batch.run()
+    join(1)
+    join(2)
+    while slots:
+        batch.run()
+        for b in [b for b in slots if batch.done(b)]:
+            spans[slots.pop(b)] = batch.span(b).copy()
+            batch.leave(b)
+    assert call_sizes == [1, 4, 4, 2, 1]
+    for prompt, new_tokens in rows.items():
+        prompt_ids = np.array([tokenizer.encode(prompt)])
+        alone = model.diffusion_generate(
+            prompt_ids,
+            np.ones_like(prompt_ids),
+            max_new_tokens=new_tokens,
+            steps=new_tokens,
+            block_length=4,
+            cache="dual",
+            alg="entropy",
+            return_dict_in_generate=False,
+        )
+        np.testing.assert_array_equal(spans[prompt], np.asarray(alone)[0, prompt_ids.shape[1] :], err_msg=prompt)

@@ -5,7 +5,9 @@ the canvas (which rebuilds the cache), so nothing of a row carries from one bloc
 row. A `RunningBatch` keeps `size` slots of one canvas layout (prompts left-padded to `prompt_len`, then
 `new_tokens` positions); between two block calls finished rows leave and waiting rows take their slots (their canvas
 row is written: the padded prompt, then mask tokens). Every call runs each row at its own block index
-(`jaxport.dream.fast` takes one per row).
+(`jaxport.dream.fast` takes one per row), in the smallest of the batch sizes `sizes` that holds the occupied slots:
+since no state but the canvas row carries over, a call gathers those rows and writes them back, so a batch that is
+draining or lightly loaded pays for the rows it runs, not for every slot.
 
 A row sees only itself: its keys are its prompt and its own new-token region (its `max_tokens` bucket; the rest of
 the canvas row is padding to the attention mask), its positions count its real tokens, its random draws come from
@@ -50,10 +52,15 @@ class Lane:
 
 
 class RunningBatch:
-    """`size` slots decoding `lane`'s canvas a block at a time; `join` and `leave` between `run` calls."""
+    """`size` slots decoding `lane`'s canvas a block at a time; `join` and `leave` between `run` calls. Each call
+    runs at the smallest of `sizes` (batch sizes with compiled programs; default `size` alone) that holds the
+    occupied slots."""
 
-    def __init__(self, model, lane: Lane, size: int, programs, pad_token_id: int, mask_token_id: int):
+    def __init__(
+        self, model, lane: Lane, size: int, programs, pad_token_id: int, mask_token_id: int, sizes: list[int] = ()
+    ):
         self.model, self.lane, self.size, self.programs = model, lane, size, programs
+        self.sizes = sorted({n for n in sizes if n < size} | {size})
         self.pad, self.mask = pad_token_id, mask_token_id
         N = lane.prompt_len + lane.new_tokens
         self.x_BN = np.full((size, N), pad_token_id, np.int32)
@@ -71,6 +78,11 @@ class RunningBatch:
     @property
     def running(self) -> int:
         return self.size - self.free
+
+    @property
+    def call_size(self) -> int:
+        """The batch size the next call runs at: the smallest of `sizes` that holds the occupied slots."""
+        return next(n for n in self.sizes if n >= self.running)
 
     def join(self, owner, ids_P, valid_P, new_tokens: int, row: RowSettings, key: jax.Array) -> int:
         """Put a row in a free slot: its canvas row is the prompt `ids_P` (left-padded to the lane's prompt bucket,
@@ -99,13 +111,17 @@ class RunningBatch:
     def run(self) -> tuple[np.ndarray, int]:
         """One block of every occupied row, each at its own block index: `(canvas, steps run)`. Afterwards each row's
         next block is the one after (`done(b)` says when a row has none)."""
-        x, valid, keys, *rows = self.model.place_batch(self.x_BN, self.valid_BN, self.keys_B, *self.rows)
-        prepared = Prepared(x, valid, keys, Rows(*rows), self.program)
-        canvas, _, steps = run_block(self.programs, prepared, x, self.model.place_batch(self.block_B)[0])
-        self.x_BN = np.array(jax.device_get(canvas))
-        for b, slot in enumerate(self.slots):
-            if slot is not None:
-                self.block_B[b] += 1
+        occupied = [b for b, slot in enumerate(self.slots) if slot is not None]
+        free = [b for b, slot in enumerate(self.slots) if slot is None]
+        # free slots fill the batch size: they hold no mask, so the call leaves them as they are
+        index = np.array(occupied + free[: self.call_size - len(occupied)])
+        x, valid, keys, block, *settings = self.model.place_batch(
+            *(a[index] for a in (self.x_BN, self.valid_BN, self.keys_B, self.block_B, *self.rows))
+        )
+        prepared = Prepared(x, valid, keys, Rows(*settings), self.program)
+        canvas, _, steps = run_block(self.programs, prepared, x, block)
+        self.x_BN[index] = np.asarray(jax.device_get(canvas))
+        self.block_B[occupied] += 1
         return self.x_BN, int(steps)
 
     def done(self, b: int) -> bool:

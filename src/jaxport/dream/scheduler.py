@@ -24,7 +24,8 @@ runs alone (its masks would change the other rows' unmask counts, and where the 
 
 Static batching runs a batch to the end of its longest row. With `batching="continuous"`, requests decoded block-wise
 with the dual cache run in a `RunningBatch` of their `Lane` instead (`jaxport.dream.engine`): rows join and leave at
-block boundaries, each at its own block, and each request's text is still its text alone.
+block boundaries, each at its own block, every call at the smallest batch size that holds the running rows, and each
+request's text is still its text alone.
 """
 
 import bisect
@@ -384,12 +385,14 @@ class Scheduler:
         """Compile every batch size for each key, before serving: the start-up set of programs."""
         self.start_up |= {key.program for key in keys} | self.lanes(keys)
         for lane in self.lanes(keys):
-            self._describe = f"at start-up: {self._lane_name(lane)}"
             self.programs.pinning = True
-            batch = self._running_batch(lane)
             ids, valid = self.tokenizer([prompt], pad_to=lane.prompt_len)
-            batch.join(None, ids[0], valid[0], lane.settings.block_length, RowSettings(), jax.random.key(0))
-            batch.run()
+            for size in self.batch_sizes:  # a running batch runs at the smallest size that holds its rows
+                self._describe = f"at start-up: {self._lane_name(lane)}, {size} row(s) running"
+                batch = self._running_batch(lane)
+                for _ in range(size):
+                    batch.join(None, ids[0], valid[0], lane.settings.block_length, RowSettings(), jax.random.key(0))
+                batch.run()
         for key in keys:
             if self.lanes([key]):
                 continue  # served by its lane
@@ -417,7 +420,13 @@ class Scheduler:
 
     def _running_batch(self, lane: Lane) -> RunningBatch:
         return RunningBatch(
-            self.model, lane, self.max_batch, self.programs, self.tokenizer.pad_token_id, self.tokenizer.mask_token_id
+            self.model,
+            lane,
+            self.max_batch,
+            self.programs,
+            self.tokenizer.pad_token_id,
+            self.tokenizer.mask_token_id,
+            sizes=self.batch_sizes,
         )
 
     def _run_lane(self, lane: Lane):
@@ -436,7 +445,7 @@ class Scheduler:
                     self._waiting.remove(job)
                     self._join(batch, slots, job)
                     job.batch_requests = len({job for job, _, _ in slots.values()})
-                self.running_rows, self.batch_size = batch.running, batch.size
+                self.running_rows, self.batch_size = batch.running, batch.call_size
             if not slots:
                 self.running_rows = self.batch_size = 0
                 return
