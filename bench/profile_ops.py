@@ -258,7 +258,8 @@ def main():
     parser.add_argument("--kind", default=None, help="list only ops of this kind (dot, convert, transpose, ...)")
     parser.add_argument("--repeat", type=int, default=1, help="calls to trace; times are their average")
     args = parser.parse_args()
-    workload = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream, "dream_fastdllm": dream_fastdllm}[args.workload]
+    workloads = {"trm_step": trm_step, "gpt_step": gpt_step, "dream": dream, "dream_fastdllm": dream_fastdllm}
+    workload = workloads[args.workload]
     function, call_args, step_runtime = workload(args)
     profile(function, call_args, step_runtime, args.top, args.kind, args.repeat)
 

@@ -234,8 +234,9 @@ def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
 
 
 def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
-    """A greedy generation compiles without the vocabulary sort and the categorical draw (their buffers and compile
-    time); a top-p one holds the sort; a row needing a branch gets it; the server's programs hold every branch."""
+    """A greedy generation compiles without the whole-vocabulary filter and the categorical draw (their buffers and
+    compile time); a top-p one holds the filter's bisection over the vocabulary; a row needing a branch gets it; no
+    program sorts the vocabulary."""
     from jaxport.dream.exact import exact_target
     from jaxport.dream.program import prepare_generation
     from jaxport.dream.sampling import Branches
@@ -248,21 +249,21 @@ def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
             model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8, **settings
         )
         jitted, arguments = exact_target(model, p)
-        return p.program.branches, jitted.lower(*arguments).compile()
+        return p.program.branches, jitted.lower(*arguments).compile().as_text()
 
-    def vocabulary_sorts(program):
-        return [line for line in program.as_text().splitlines() if " sort(" in line and f",{vocab}]" in line]
+    def vocabulary(program, op):
+        return [line for line in program.splitlines() if op in line and f",{vocab}]" in line]
 
     greedy_branches, greedy = compiled()
     assert greedy_branches == Branches(draw=False, filters=0)
-    assert not vocabulary_sorts(greedy)
-    top_p_branches, top_p = compiled(temperature=[0.0, 0.7], top_p=[1.0, 0.9])
-    assert top_p_branches == Branches(draw=True, filters=2)
-    assert vocabulary_sorts(top_p)
-    assert greedy.memory_analysis().temp_size_in_bytes < top_p.memory_analysis().temp_size_in_bytes
+    top_p_branches, top_p = compiled(top_p=[1.0, 0.9])  # greedy: no random bits over the vocabulary
+    assert top_p_branches == Branches(draw=False, filters=2)
+    assert vocabulary(top_p, "u32[") and not vocabulary(greedy, "u32[")  # the keys the bisection compares
+    assert compiled(temperature=[0.0, 0.7], top_p=[1.0, 0.9])[0] == Branches(draw=True, filters=2)
     top_k_branches, top_k = compiled(top_k=[None, 20])
     assert top_k_branches == Branches(draw=False, filters=1)
-    assert not vocabulary_sorts(top_k)  # a partial sort (XLA:CPU's TopK), not a sort of the vocabulary
+    assert not vocabulary(top_k, "u32[")  # the partial sort (XLA:CPU's TopK) alone
+    assert not any(vocabulary(program, " sort(") for program in (greedy, top_p, top_k))
     assert compiled(top_k=[None, 200])[0] == Branches(draw=False, filters=2)
 
 
@@ -283,18 +284,20 @@ def _filters_reference(logits_V: np.ndarray, top_p: float, top_k: int) -> np.nda
 
 
 def test_sampling_filters_match_a_sorted_reference_row_by_row():
-    """Top-p and top-k read off a partial sort, or the whole vocabulary's sort when a row's survivors lie beyond it:
-    the tokens a stable sort removes, ties at the cut included, and each row's the same whatever its batch."""
+    """Top-p and top-k read off a partial sort, or found by bisection over the whole vocabulary when a row's
+    survivors lie beyond it: the tokens a stable sort removes, ties at the cut included, and each row's the same
+    whatever its batch."""
     from jaxport.dream.sampling import PARTIAL_SORT, filters
 
     rng = np.random.default_rng(0)
     V = 4 * PARTIAL_SORT
     peaked = rng.normal(size=(8, V)) * 8  # narrow nuclei: the partial sort holds them
-    flat = rng.normal(size=(4, V)) * 0.1  # wide nuclei: the whole sort
+    flat = rng.normal(size=(4, V)) * 0.1  # wide nuclei: the bisection
     tied = np.round(rng.normal(size=(4, V)) * 3)  # many equal logits at every cut
-    logits = np.concatenate([peaked, flat, tied]).astype(np.float32)
-    top_p = np.array([1, 0.3, 0.9, 0.97, 1, 0.5, 1, 0.8, 0.9, 1, 0.6, 0.99, 0.5, 1, 0.95, 0.7], np.float32)
-    top_k = np.array([0, 0, 0, 10, 20, 3, PARTIAL_SORT + 5, 0, 0, 30, 7, 0, 0, 5, 2, 0], np.int32)
+    tied_flat = np.round(rng.normal(size=(3, V)) * 0.7)  # ... beyond the partial sort
+    logits = np.concatenate([peaked, flat, tied, tied_flat]).astype(np.float32)
+    top_p = np.array([1, 0.3, 0.9, 0.97, 1, 0.5, 1, 0.8, 0.9, 1, 0.6, 0.99, 0.5, 1, 0.95, 0.7, 0.6, 0.9, 1], np.float32)
+    top_k = np.array([0, 0, 0, 10, 20, 3, PARTIAL_SORT + 5, 0, 0, 30, 7, 0, 0, 5, 2, 0, 0, 80, 100], np.int32)
     removed = (
         np.asarray(filters(jnp.asarray(logits), jnp.asarray(top_p), jnp.asarray(top_k))) == np.finfo(np.float32).min
     )
@@ -303,7 +306,7 @@ def test_sampling_filters_match_a_sorted_reference_row_by_row():
         np.testing.assert_array_equal(removed[r], expected, err_msg=f"row {r}")
         alone = filters(jnp.asarray(logits[r : r + 1]), jnp.asarray(top_p[r : r + 1]), jnp.asarray(top_k[r : r + 1]))
         np.testing.assert_array_equal(np.asarray(alone)[0] == np.finfo(np.float32).min, removed[r], err_msg=f"row {r}")
-    top_k_only = (top_p == 1) & (top_k <= PARTIAL_SORT)  # what a program without the whole sort serves
+    top_k_only = (top_p == 1) & (top_k <= PARTIAL_SORT)  # what a program without the bisection serves
     partial = filters(
         jnp.asarray(logits[top_k_only]), jnp.asarray(top_p[top_k_only]), jnp.asarray(top_k[top_k_only]), sort=False
     )

@@ -67,7 +67,7 @@ class Rows(NamedTuple):
 class Branches(NamedTuple):
     """Which vocabulary-sized branches of `sample_tokens` a program contains (static): the categorical draw of a
     temperature, and the filters up to `filters` (0 none, 1 the partial sort that serves top-k up to
-    `PARTIAL_SORT`, 2 also the whole vocabulary's sort that a wide top-p nucleus or a larger top-k needs). The
+    `PARTIAL_SORT`, 2 also the whole vocabulary's bisection that a wide top-p nucleus or a larger top-k needs). The
     default holds them all; a row needing a branch the program lacks is a caller's error (`needed` gives what rows
     need)."""
 
@@ -76,7 +76,7 @@ class Branches(NamedTuple):
 
     @classmethod
     def needed(cls, rows: Rows) -> "Branches":
-        """What the host arrays `rows` need (top-p may need the whole sort: its survivors depend on the logits)."""
+        """What the host arrays `rows` need (top-p may need all the vocabulary: its survivors depend on the logits)."""
         top_p, top_k = np.asarray(rows.top_p), np.asarray(rows.top_k)
         filters = 2 if (top_p < 1).any() or (top_k > PARTIAL_SORT).any() else 1 if (top_k > 0).any() else 0
         return cls(draw=bool((np.asarray(rows.temperature) > 0).any()), filters=filters)
@@ -135,12 +135,63 @@ def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
     return remove | ((top_k_R > 0)[:, None] & (_removed(logits_RV, remove) < _kth(survivors, top_k_R))), fits
 
 
+def _ordered_keys(x_RV: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values (-0 as +0): comparisons of keys are comparisons of values."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x_RV == 0, 0.0, x_RV).astype(jnp.float32), jnp.uint32)
+    return bits ^ jnp.where(bits >> 31 == 1, jnp.uint32(0xFFFFFFFF), jnp.uint32(0x80000000))
+
+
+def _largest_key(keys_RV: jax.Array, candidates_RV: jax.Array, holds) -> jax.Array:
+    """Per row, the largest of its candidates' keys `m` for which `holds(keys_RV >= m)` (`[R, V]` -> `[R]`, true
+    at the smallest candidate, false once it is false) is true, `[R, 1]`: a bisection over the 32 bits of a key,
+    no sort."""
+    lo = jnp.min(jnp.where(candidates_RV, keys_RV, jnp.uint32(0xFFFFFFFF)), axis=-1, keepdims=True)
+    hi = jnp.max(jnp.where(candidates_RV, keys_RV, jnp.uint32(0)), axis=-1, keepdims=True)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + 1) // 2  # > lo while hi > lo; keys of finite floats span less than 2**32 - 1
+        ok = holds(keys_RV >= mid)[:, None]
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, jnp.maximum(hi, lo)))[0]
+
+
+def _filtered_out_by_bisection(logits_RV, normalizer_R1, top_p_R, top_k_R):
+    """`_filtered_out`'s tokens for rows whose survivors lie beyond a partial sort, from the whole vocabulary without
+    sorting it: top-p's cut is the largest logit whose tokens at or above it hold more than `top_p` of the
+    probability, found by bisection (as are top-k's `top_k`-th value and the count of equal logits the cut keeps).
+    The sums run in vocabulary order, where a sort sums in sorted order, so the last bit of a cumulative sum that
+    lands on `top_p` itself may round the other way."""
+    keys = _ordered_keys(logits_RV)
+    probabilities = jnp.exp(logits_RV - jnp.max(logits_RV, axis=-1, keepdims=True)) / normalizer_R1
+    top_p_R1 = top_p_R[:, None]
+
+    def mass(selected_RV):
+        return jnp.sum(jnp.where(selected_RV, probabilities, 0), axis=-1)
+
+    everything = jnp.ones_like(keys, bool)
+    cut = _largest_key(keys, everything, lambda selected: mass(selected) > top_p_R)
+    above, at_cut = keys > cut, keys == cut
+    # equal logits at the cut are kept in id order while the cumulative sum before each stays within top_p
+    mass_above = mass(above)[:, None]
+    cut_probability = jnp.max(jnp.where(at_cut, probabilities, 0), axis=-1, keepdims=True)
+    room = jnp.floor((top_p_R1 - mass_above) / cut_probability)
+    kept_at_cut = jnp.clip(1 + room, 1, jnp.sum(at_cut, axis=-1, keepdims=True)).astype(jnp.int32)
+    within = above | (at_cut & (jnp.cumsum(at_cut, axis=-1, dtype=jnp.int32) <= kept_at_cut))
+    cuts = (top_p_R < 1) & (mass(everything) > top_p_R)  # a nucleus that holds every token removes nothing
+    remove = cuts[:, None] & ~within
+    kth = _largest_key(keys, ~remove, lambda selected: jnp.sum(selected & ~remove, axis=-1) >= top_k_R)
+    return remove | ((top_k_R > 0)[:, None] & (keys < kth))
+
+
 def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: bool = True) -> jax.Array:
     """Each row's logits with top-p, then top-k, applied (`_filtered_out`); `top_p` 1 and `top_k` 0 filter nothing.
 
     The survivors are read off a partial sort of `PARTIAL_SORT` logits; when some row's lie beyond it (a wide
-    nucleus, a large top-k) the whole vocabulary is sorted, which a program built with `sort=False` leaves out (its
-    rows must have no top-p and top-k up to `PARTIAL_SORT`). A row's result is the same either way."""
+    nucleus, a large top-k) they are found by bisection over the whole vocabulary (`_filtered_out_by_bisection`:
+    XLA:CPU sorts a vocabulary slowly), which a program built with `sort=False` leaves out (its rows must have no
+    top-p and top-k up to `PARTIAL_SORT`). A row's result is the same in any batch."""
     V = logits_RV.shape[-1]
     # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
     partial_RK = jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, min(PARTIAL_SORT, V))[0])
@@ -150,11 +201,11 @@ def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: 
     remove, fits = _filtered_out(logits_RV, partial_RK, normalizer, top_p_R, top_k_R)
     if V > PARTIAL_SORT:
 
-        def whole_sort():
-            whole, _ = _filtered_out(logits_RV, -jnp.sort(-logits_RV, axis=-1), normalizer, top_p_R, top_k_R)
+        def whole_vocabulary():
+            whole = _filtered_out_by_bisection(logits_RV, normalizer, top_p_R, top_k_R)
             return jnp.where(fits[:, None], remove, whole)
 
-        remove = jax.lax.cond(jnp.all(fits), lambda: remove, whole_sort)
+        remove = jax.lax.cond(jnp.all(fits), lambda: remove, whole_vocabulary)
     return _removed(logits_RV, remove)
 
 
