@@ -3,6 +3,7 @@ with a report whose numbers hold together (memory positive and below the chip's 
 model's analytic count for a step without loops); a program too large for the chip names a mesh that fits; the
 slice names, a missing libtpu and a generation libtpu refuses each get one clear line."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -178,6 +179,40 @@ def test_loops_collectives_and_flops_read_from_the_compiled_program():
     assert (reduce.kind, reduce.count, reduce.bytes) == ("all-reduce", 1, 256 * 256 * 4)
     assert reduce.traffic == 2 * 3 / 4 * reduce.bytes  # a ring over 4 devices
     assert 0 < report.needed < report.hbm
+
+
+@needs_libtpu
+def test_attention_on_a_tpu_recomputes_its_scores_in_the_backward_pass():
+    """A TPU's runtime recomputes each attention's [B, H, S, T] scores in the backward pass instead of keeping them:
+    compiled for a v5e chip, four layers' gradient holds fewer temporaries by about three layers' scores (GPT-2
+    1.5B's step, docs/tpu.md)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxport import runtime
+    from jaxport.nn import dot_product_attention
+
+    B, S, H, D, layers = 4, 1024, 8, 64, 4
+    devices = compile_for.topology_devices(topologies.parse_slice("v5e-4"))
+    mesh = Mesh(np.array(devices), ("data",))
+    qkv = jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    def loss(q, k, v):
+        for _ in range(layers):
+            q = dot_product_attention(q, k, v, causal=True)
+        return jnp.sum(q.astype(jnp.float32) ** 2)
+
+    def temporaries(target):
+        gradient = runtime.jit(jax.grad(loss, argnums=(0, 1, 2)), target)
+        return gradient.lower(qkv, qkv, qkv).compile().memory_analysis().temp_size_in_bytes
+
+    tpu = runtime.for_devices(devices)
+    assert tpu.attention == "recompute"
+    kept, recomputed = temporaries(dataclasses.replace(tpu, attention="xla")), temporaries(tpu)
+    scores = B * H * S * S * 4  # float32, one layer's
+    assert recomputed <= kept - 2 * scores, (recomputed, kept, scores)
 
 
 # -- each family's command

@@ -305,6 +305,32 @@ def test_attention_on_a_gpu_takes_cudnns_fused_kernel_where_it_applies(monkeypat
         np.testing.assert_array_equal(np.asarray(fallback), np.asarray(dot_product_attention(q, k, v, causal=True)))
 
 
+@pytest.mark.parametrize("case", ["causal", "padding mask", "unmasked"])
+def test_attention_recomputed_in_the_backward_pass_gives_the_same_values_and_gradients(case):
+    """`attention="recompute"` (TPUs) is XLA's ops under `jax.checkpoint`: the same loss and gradients as with the
+    scores kept (tests/test_compile_for.py checks what it saves on a TPU)."""
+    B, S, H, D = 2, 128, 4, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(B, S, H, D)), jnp.float32) for _ in range(3))
+    options = {
+        "causal": dict(causal=True),
+        "padding mask": dict(mask=jnp.arange(S)[None, :] < jnp.array([[S], [S // 2]])),
+        "unmasked": {},
+    }[case]
+
+    def loss_and_grads(implementation):
+        def loss(q, k, v):
+            return jnp.sum(dot_product_attention(q, k, v, **options) ** 2)
+
+        with runtime.use(runtime.Runtime(platform="tpu", attention=implementation, row_major_operands=False)):
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    kept_loss, kept_grads = loss_and_grads("xla")
+    loss, grads = loss_and_grads("recompute")
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(kept_loss), rtol=1e-6)
+    for g, kept in zip(grads, kept_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(kept), rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_linear_gradients_off_the_cpu_are_plain_products_without_layout_copies():
     """The row-major copies and barriers that keep XLA:CPU's bf16 weight gradients fast are CPU-only: on a GPU the
     backward is two plain products (the same values up to float order)."""

@@ -33,7 +33,8 @@ def dot_product_attention(
     `dropout_p`, i.e. training); without it there is no dropout.
 
     The kernel is the runtime's choice (`runtime.current().attention`) where it applies: cuDNN's fused kernel,
-    causal self-attention in blocks of queries, or XLA's ops.
+    causal self-attention in blocks of queries, or XLA's ops, whose `[B, H, S, T]` scores the backward pass keeps
+    or ("recompute") computes again.
     """
     B, S, H, D = q_BSHD.shape
     T, K = k_BTKD.shape[1], k_BTKD.shape[2]
@@ -51,8 +52,23 @@ def dot_product_attention(
     if implementation == "causal_blocks" and in_blocks:
         return _causal_attention_in_blocks(q_BSHD, k_BTKD, v_BTKD, scale, dropout_rate, dropout_rng)
     if not causal and mask is None and dropout_rng is None:
-        heads_first = lambda x: _row_major_unless_f32(x.transpose(0, 2, 1, 3))  # noqa: E731
-        return heads_first(_full_attention(heads_first(q_BSHD), heads_first(k_BTKD), heads_first(v_BTKD), scale))
+        attention = functools.partial(_heads_first_attention, scale=scale)
+    else:
+        attention = functools.partial(_masked_attention, causal=causal, scale=scale, dropout_rate=dropout_rate)
+    if implementation == "recompute":  # the backward pass keeps q, k, v and recomputes the [B, H, S, T] scores
+        attention = jax.checkpoint(attention, policy=jax.checkpoint_policies.nothing_saveable)
+    return attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng)
+
+
+def _heads_first_attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng, *, scale: float):
+    """`_full_attention` on heads-first operands (no mask, no dropout)."""
+    heads_first = lambda x: _row_major_unless_f32(x.transpose(0, 2, 1, 3))  # noqa: E731
+    return heads_first(_full_attention(heads_first(q_BSHD), heads_first(k_BTKD), heads_first(v_BTKD), scale))
+
+
+def _masked_attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng, *, causal: bool, scale: float, dropout_rate: float):
+    """XLA's ops: one product for the scores, a causal band and/or `mask`, softmax, dropout, one product with `v`."""
+    S, T = q_BSHD.shape[1], k_BTKD.shape[1]
     scores = jnp.einsum("bshd,bthd->bhst", q_BSHD, k_BTKD, preferred_element_type=jnp.float32) * scale
     allowed = None
     if causal:

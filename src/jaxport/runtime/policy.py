@@ -28,7 +28,8 @@ class Runtime:
 
     - `attention`: "cudnn" tries cuDNN's fused kernel for 16-bit attention without mask or dropout (GPUs);
       "causal_blocks" computes causal self-attention in blocks of queries (CPUs: "Attention on the CPU");
-      "xla" is one masked product.
+      "xla" is one masked product; "recompute" is that product with the backward pass computing the
+      `[B, H, S, T]` scores again instead of keeping one per layer (TPUs: docs/tpu.md).
     - `row_major_operands`: reduced-precision operands that are transposed before a product are written out
       row-major, and weight gradients take the orientation XLA:CPU runs faster (CPUs: "Operand layouts").
     - `split_rows`: models compute independent rows in `row_chunks` chunks (CPUs: "Row chunks").
@@ -85,7 +86,7 @@ def for_devices(devices=None) -> Runtime:
     return Runtime(
         platform=platform,
         devices=len(devices),
-        attention={"cpu": "causal_blocks", "gpu": "cudnn"}.get(platform, "xla"),
+        attention={"cpu": "causal_blocks", "gpu": "cudnn", "tpu": "recompute"}.get(platform, "xla"),
         row_major_operands=platform == "cpu",
         split_rows=platform == "cpu",
     )
