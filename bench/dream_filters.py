@@ -1,6 +1,7 @@
-"""Dream's sampling filters (`jaxport.dream.sampling.filters`) on one `[rows, vocabulary]` batch of logits: the
-seconds of a jitted call with top-p 0.9 on a narrow nucleus (the partial sort holds it) and on a wide one (the
-whole vocabulary is searched), one JSON line per shape.
+"""Dream's sampler on one `[rows, vocabulary]` batch of logits: the seconds of a jitted call of the filters
+(`jaxport.dream.sampling.filters`) with top-p 0.9 on a narrow nucleus (the partial sort holds it) and on a wide one
+(the whole vocabulary is searched), and of the categorical draw (`_categorical`, the inverse of the cumulative
+distribution) beside a Gumbel draw (`jax.random.categorical`), one JSON line per shape.
 
     python bench/dream_filters.py                         # the tiny model's 32 x 512, Dream 7B's 8 x 152064
     python bench/dream_filters.py --shapes 32x320 --repeats 200
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from _common import emit, environment, peak_rss_bytes
 
-from jaxport.dream.sampling import filters
+from jaxport.dream.sampling import _categorical, filters
 
 
 def seconds(function, *args, repeats: int) -> tuple[float, float]:
@@ -45,6 +46,10 @@ def main():
         for name, logits in (("narrow", narrow_RV), ("wide", wide_RV)):
             first, median = seconds(jax.jit(filters), logits, top_p, top_k, repeats=repeats)
             record[f"{name}_first_call_s"], record[f"{name}_median_s"] = round(first, 4), round(median, 6)
+        keys_R, probs_RV = jax.random.split(jax.random.key(1), rows), jax.nn.softmax(wide_RV, axis=-1)
+        gumbel = jax.jit(lambda keys, logits: jax.vmap(jax.random.categorical)(keys, logits))
+        record["draw_median_s"] = round(seconds(jax.jit(_categorical), keys_R, probs_RV, repeats=repeats)[1], 6)
+        record["gumbel_draw_median_s"] = round(seconds(gumbel, keys_R, wide_RV, repeats=repeats)[1], 6)
         emit({**record, "peak_rss_bytes": peak_rss_bytes(), "machine": environment()})
 
 

@@ -217,6 +217,18 @@ def _max_and_argmax(a_RV: jax.Array):
     return top, jnp.min(jnp.where(a_RV == top[:, None], index, a_RV.shape[-1]), axis=-1)
 
 
+def _categorical(keys_R, probs_RV: jax.Array) -> jax.Array:
+    """One token per row drawn from its probabilities with its key, by the inverse of the cumulative distribution:
+    one uniform number per row where a Gumbel draw takes one per token (4-6x slower on XLA:CPU, docs/performance.md,
+    "Sampling filters"). A token of probability 0 is never drawn: its interval of the cumulative sum is empty."""
+    cumulative_RV = jnp.cumsum(probs_RV, axis=-1)
+    u_R1 = jax.vmap(jax.random.uniform)(keys_R)[:, None] * cumulative_RV[:, -1:]
+    drawn_R = jnp.sum(cumulative_RV <= u_R1, axis=-1)
+    # the last token of positive probability bounds a draw that rounds up to the whole sum
+    last_R = jnp.max(jnp.where(probs_RV > 0, jax.lax.broadcasted_iota(jnp.int32, probs_RV.shape, 1), 0), axis=-1)
+    return jnp.minimum(drawn_R, last_R).astype(jnp.int32)
+
+
 def _per_position(value_B: jax.Array, S: int) -> jax.Array:
     return jnp.repeat(value_B, S, axis=0)
 
@@ -245,7 +257,7 @@ def sample_tokens(
 
     def drawn():
         keys = jax.vmap(jax.random.fold_in)(_per_position(keys_B, S), positions_BS.reshape(-1))
-        x0 = jnp.where(temperature > 0, jax.vmap(jax.random.categorical)(keys, logits), first_top)
+        x0 = jnp.where(temperature > 0, _categorical(keys, probs), first_top)
         return x0, jnp.take_along_axis(probs, x0[:, None], axis=-1)[:, 0]
 
     x0, confidence = first_top, top1
