@@ -56,9 +56,7 @@ class RunningBatch:
     runs at the smallest of `sizes` (batch sizes with compiled programs; default `size` alone) that holds the
     occupied slots."""
 
-    def __init__(
-        self, model, lane: Lane, size: int, programs, pad_token_id: int, mask_token_id: int, sizes: list[int] = ()
-    ):
+    def __init__(self, model, lane: Lane, size: int, programs, pad_token_id: int, mask_token_id: int, sizes=()):
         self.model, self.lane, self.size, self.programs = model, lane, size, programs
         self.sizes = sorted({n for n in sizes if n < size} | {size})
         self.pad, self.mask = pad_token_id, mask_token_id

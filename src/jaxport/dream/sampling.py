@@ -219,8 +219,8 @@ def _max_and_argmax(a_RV: jax.Array):
 
 def _categorical(keys_R, probs_RV: jax.Array) -> jax.Array:
     """One token per row drawn from its probabilities with its key, by the inverse of the cumulative distribution:
-    one uniform number per row where a Gumbel draw takes one per token (4-6x slower on XLA:CPU, docs/performance.md,
-    "Sampling filters"). A token of probability 0 is never drawn: its interval of the cumulative sum is empty."""
+    one uniform number per row where a Gumbel draw takes one per token (docs/performance.md, "Sampling filters"). A
+    token of probability 0 is never drawn: its interval of the cumulative sum is empty."""
     cumulative_RV = jnp.cumsum(probs_RV, axis=-1)
     u_R1 = jax.vmap(jax.random.uniform)(keys_R)[:, None] * cumulative_RV[:, -1:]
     drawn_R = jnp.sum(cumulative_RV <= u_R1, axis=-1)
