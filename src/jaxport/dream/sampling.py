@@ -25,7 +25,7 @@ from jaxport.dream.settings import RowSettings
 
 # The filters' survivors are read off this many largest logits of a row (a partial sort) when they lie among them;
 # the rest of a batch's rows decide whether the whole vocabulary is sorted (docs/performance.md, "Sampling filters")
-PARTIAL_SORT = 64
+PARTIAL_SORT = 32
 
 
 class Scores(NamedTuple):
@@ -112,6 +112,16 @@ def _kth(values_RK: jax.Array, top_k_R: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values_RK, jnp.clip(top_k_R - 1, 0, values_RK.shape[-1] - 1)[:, None], axis=-1)
 
 
+def _first_marked(marked_RV: jax.Array, count_R1: jax.Array) -> jax.Array:
+    """The first `count` marked tokens of each row in vocabulary order; the running count (a slow scan of the
+    vocabulary on XLA:CPU) runs only when some row has more marked tokens than it keeps (equal logits at a cut)."""
+    return jax.lax.cond(
+        jnp.any(jnp.sum(marked_RV, axis=-1, keepdims=True) > count_R1),
+        lambda: marked_RV & (jnp.cumsum(marked_RV, axis=-1, dtype=jnp.int32) <= count_R1),
+        lambda: marked_RV,
+    )
+
+
 def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
     """Which tokens top-p, then top-k, remove `[R, V]`, from each row's `K` largest logits in descending order
     (`sorted_RK`) and its softmax normalizer; and whether the row's survivors lie among those `K` (`[R]`).
@@ -129,8 +139,7 @@ def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
     kept_R1 = kept[:, None]
     cut = jnp.take_along_axis(sorted_RK, jnp.minimum(kept_R1, K) - 1, axis=-1)
     above, at_cut = logits_RV > cut, logits_RV == cut
-    first_at_cut = jnp.cumsum(at_cut, axis=-1, dtype=jnp.int32) <= kept_R1 - jnp.sum(above, -1, keepdims=True)
-    remove = has_p[:, None] & ~(above | (at_cut & first_at_cut))
+    remove = has_p[:, None] & ~(above | _first_marked(at_cut, kept_R1 - jnp.sum(above, -1, keepdims=True)))
     survivors = jnp.where(jnp.arange(K) < kept_R1, sorted_RK, jnp.finfo(sorted_RK.dtype).min)
     return remove | ((top_k_R > 0)[:, None] & (_removed(logits_RV, remove) < _kth(survivors, top_k_R))), fits
 
@@ -178,11 +187,15 @@ def _filtered_out_by_bisection(logits_RV, normalizer_R1, top_p_R, top_k_R):
     cut_probability = jnp.max(jnp.where(at_cut, probabilities, 0), axis=-1, keepdims=True)
     room = jnp.floor((top_p_R1 - mass_above) / cut_probability)
     kept_at_cut = jnp.clip(1 + room, 1, jnp.sum(at_cut, axis=-1, keepdims=True)).astype(jnp.int32)
-    within = above | (at_cut & (jnp.cumsum(at_cut, axis=-1, dtype=jnp.int32) <= kept_at_cut))
+    within = above | _first_marked(at_cut, kept_at_cut)
     cuts = (top_p_R < 1) & (mass(everything) > top_p_R)  # a nucleus that holds every token removes nothing
     remove = cuts[:, None] & ~within
-    kth = _largest_key(keys, ~remove, lambda selected: jnp.sum(selected & ~remove, axis=-1) >= top_k_R)
-    return remove | ((top_k_R > 0)[:, None] & (keys < kth))
+
+    def top_k_removes():
+        kth = _largest_key(keys, ~remove, lambda selected: jnp.sum(selected & ~remove, axis=-1) >= top_k_R)
+        return remove | ((top_k_R > 0)[:, None] & (keys < kth))
+
+    return jax.lax.cond(jnp.any(top_k_R > 0), top_k_removes, lambda: remove)
 
 
 def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: bool = True) -> jax.Array:
@@ -191,22 +204,33 @@ def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: 
     The survivors are read off a partial sort of `PARTIAL_SORT` logits; when some row's lie beyond it (a wide
     nucleus, a large top-k) they are found by bisection over the whole vocabulary (`_filtered_out_by_bisection`:
     XLA:CPU sorts a vocabulary slowly), which a program built with `sort=False` leaves out (its rows must have no
-    top-p and top-k up to `PARTIAL_SORT`). A row's result is the same in any batch."""
+    top-p and top-k up to `PARTIAL_SORT`). When every filtered row's nucleus is certainly wider than the partial
+    sort (its largest probability times `PARTIAL_SORT` stays below its top-p) the partial sort is skipped. A row's
+    result is the same in any batch."""
     V = logits_RV.shape[-1]
-    # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
-    partial_RK = jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, min(PARTIAL_SORT, V))[0])
+    K = min(PARTIAL_SORT, V)
+
+    def partial_sort():
+        # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
+        return jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, K)[0])
+
     if not sort:  # no row has a top-p: top-k alone
-        return _removed(logits_RV, (top_k_R > 0)[:, None] & (logits_RV < _kth(partial_RK, top_k_R)))
-    normalizer = jnp.sum(jnp.exp(logits_RV - partial_RK[:, :1]), axis=-1, keepdims=True)
-    remove, fits = _filtered_out(logits_RV, partial_RK, normalizer, top_p_R, top_k_R)
-    if V > PARTIAL_SORT:
+        return _removed(logits_RV, (top_k_R > 0)[:, None] & (logits_RV < _kth(partial_sort(), top_k_R)))
+    normalizer = jnp.sum(jnp.exp(logits_RV - jnp.max(logits_RV, axis=-1, keepdims=True)), axis=-1, keepdims=True)
+    if V <= PARTIAL_SORT:
+        return _removed(logits_RV, _filtered_out(logits_RV, partial_sort(), normalizer, top_p_R, top_k_R)[0])
 
-        def whole_vocabulary():
-            whole = _filtered_out_by_bisection(logits_RV, normalizer, top_p_R, top_k_R)
-            return jnp.where(fits[:, None], remove, whole)
+    def whole_vocabulary():
+        return _filtered_out_by_bisection(logits_RV, normalizer, top_p_R, top_k_R)
 
-        remove = jax.lax.cond(jnp.all(fits), lambda: remove, whole_vocabulary)
-    return _removed(logits_RV, remove)
+    def read_off_the_partial_sort():
+        remove, fits = _filtered_out(logits_RV, partial_sort(), normalizer, top_p_R, top_k_R)
+        return jax.lax.cond(jnp.all(fits), lambda: remove, lambda: jnp.where(fits[:, None], remove, whole_vocabulary()))
+
+    # the K largest of a row's probabilities sum to at most K times its largest (1.001: room for their rounding)
+    wide = (top_p_R < 1) & (K * 1.001 / normalizer[:, 0] <= top_p_R)
+    unfiltered = (top_p_R >= 1) & (top_k_R <= 0)
+    return _removed(logits_RV, jax.lax.cond(jnp.all(wide | unfiltered), whole_vocabulary, read_off_the_partial_sort))
 
 
 def _max_and_argmax(a_RV: jax.Array):
