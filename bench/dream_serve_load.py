@@ -96,7 +96,7 @@ def start_server(args, batching: str) -> tuple[subprocess.Popen, str, float]:
     command += ["--prompt-buckets", str(args.prompt_bucket), "--batching", batching]
     command += ["--max-tokens-buckets", ",".join(map(str, buckets(low, high, args.block_length)))]
     command += ["--max-context", str(args.prompt_bucket + high + (args.block_length or 0))]
-    for flag in ("random_init", "block_length", "cache", "threshold"):
+    for flag in ("random_init", "block_length", "cache", "threshold", "schedule_delay_factor"):
         if getattr(args, flag) is not None:
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     start = time.perf_counter()
@@ -217,6 +217,7 @@ def main():
     parser.add_argument("--cache", default=None)
     parser.add_argument("--threshold", type=float, default=None)
     parser.add_argument("--batching", default="static,continuous", help="modes run back to back")
+    parser.add_argument("--schedule-delay-factor", type=float, default=None, help="the server's, in every mode")
     parser.add_argument("--greedy-baseline", action="store_true", help="also run the same requests all greedy")
     parser.add_argument("--check-seeded", action="store_true", help="resend each seeded request alone and compare")
     parser.add_argument("--seed", type=int, default=0, help="of the request mix and arrivals")
@@ -249,6 +250,7 @@ def main():
                 "settings_pairs": args.settings,
                 "sampled_share": args.sampled_share,
                 "fast": {k: getattr(args, k) for k in ("block_length", "cache", "threshold")},
+                "schedule_delay_factor": args.schedule_delay_factor,
                 "runs": runs,
             },
             indent=1,

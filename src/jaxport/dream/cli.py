@@ -234,6 +234,7 @@ def serve(args) -> int:
         compile_on_demand=args.compile_on_demand,
         batching=args.batching,
         max_body_bytes=args.max_body_bytes,
+        schedule_delay_factor=args.schedule_delay_factor,
     )
     if args.compile_for:
         return _compile_serve(args, settings)
@@ -611,6 +612,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=("static", "continuous"),
         help="static: a batch runs to the end of its longest row; continuous: block-wise requests with the dual "
         "cache join and leave a running batch at block boundaries (the others keep static batching)",
+    )
+    srv.add_argument(
+        "--schedule-delay-factor",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="a batch with free rows waits up to F times the last batch (static) or block call (continuous) for "
+        "more requests before it runs; continuous batching waits only where rows just left. Clients that send "
+        "their next request on a reply then join the next call, not the one after (default 0: never wait)",
     )
     _add_fast(srv)  # defaults for requests that do not set them
     _add_compile_for(srv, "the programs the server compiles at start-up")

@@ -278,6 +278,7 @@ class Scheduler:
         batching: str = "static",
         lane_tokens: int | None = None,
         max_context: int | None = None,
+        delay_factor: float = 0.0,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -292,6 +293,8 @@ class Scheduler:
         self._describe = ""
         self.start_up: set = set()  # the programs (`BatchKey.program`) of the start-up set
         self._batch_seconds = 1.0  # running mean, for Retry-After
+        # a batch with room waits up to `delay_factor` times the last call (batch or block call) for more requests
+        self.delay_factor, self._call_seconds = delay_factor, 0.0
         self.stats, self.running_rows, self.batch_size = Counter(), 0, 0
         self.batch_requests, self.batch_rows = Counter(), Counter()
         self.compile_seconds = Counter()
@@ -353,6 +356,7 @@ class Scheduler:
             "compilations": self.stats["compilations"],
             "compilations_on_demand": self.stats["compilations on demand"],
             "block_calls": self.stats["block calls"],  # of running batches (continuous batching)
+            "row_blocks": self.stats["row blocks"],  # their running rows, summed over the calls
             "batch_requests": {str(k): v for k, v in sorted(self.batch_requests.items())},
             "batch_rows": {str(k): v for k, v in sorted(self.batch_rows.items())},
         }
@@ -408,12 +412,31 @@ class Scheduler:
                     self._cond.wait()
                 if not self._waiting:
                     return
+                if self._waiting[0].lane is None:  # static batching: a fuller batch, if it comes soon
+                    self._gather(lambda: not self._waiting or self._rows_like_oldest() >= self.max_batch)
+                    if not self._waiting:
+                        continue  # cancelled while it waited
                 lane = self._waiting[0].lane
                 jobs = [] if lane is not None else self._take()
             if lane is not None:
                 self._run_lane(lane)
             else:
                 self._run(jobs)
+
+    def _gather(self, full: Callable[[], bool]):
+        """Hold the next call (under the lock) up to `delay_factor` times the last call's seconds, until `full()`:
+        a client that sends its next request on a reply then joins this call, not the one after."""
+        deadline = time.perf_counter() + self.delay_factor * self._call_seconds
+        while not full() and not self._stopping:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _rows_like_oldest(self) -> int:
+        """Rows of the waiting jobs that `_take` would batch with the oldest."""
+        key = self._waiting[0].key
+        return sum(len(job.prompts) for job in self._waiting if job.key == key)
 
     def _lane_name(self, lane: Lane) -> str:
         return f"running batch {self.max_batch}, {BatchKey(lane.prompt_len, lane.new_tokens, lane.settings).describe()}"
@@ -437,18 +460,17 @@ class Scheduler:
         self.programs.pinning = lane in self.start_up
         self._describe = f"on first use: {self._lane_name(lane)}"
         slots: dict[int, tuple[Job, int, RowText]] = {}
+        left = 0  # rows that left at the last boundary: their clients may send more
         while True:
             with self._cond:
-                for job in list(self._waiting):
-                    if job.lane != lane or len(job.prompts) > batch.free:
-                        break
-                    self._waiting.remove(job)
-                    self._join(batch, slots, job)
-                    job.batch_requests = len({job for job, _, _ in slots.values()})
+                # the clients of rows that just left may send their next requests at once: wait a little for them
+                expected = min(batch.running + left, batch.size) if left and slots else 0
+                self._gather(lambda expected=expected: self._admit(lane, batch, slots) >= expected)
                 self.running_rows, self.batch_size = batch.running, batch.call_size
             if not slots:
                 self.running_rows = self.batch_size = 0
                 return
+            start = time.perf_counter()
             try:
                 _, steps = batch.run()
             except Exception as err:  # the running rows fail, the server goes on
@@ -460,7 +482,8 @@ class Scheduler:
                 self.running_rows = self.batch_size = 0
                 return
             now = time.perf_counter()
-            self.stats["block calls"] += 1
+            self._call_seconds, left = now - start, 0
+            self.stats.update({"block calls": 1, "row blocks": len(slots)})
             for job in {job for job, _, _ in slots.values()}:
                 job.first_block, job.steps = job.first_block or now, job.steps + steps
             for b, (job, index, text) in list(slots.items()):
@@ -471,9 +494,20 @@ class Scheduler:
                 if text.finish_reason is not None or final or job.cancelled:
                     batch.leave(b)
                     del slots[b]
+                    left += 1
                     job.rows_left -= 1
                     if job.rows_left == 0:
                         self._end(job)
+
+    def _admit(self, lane: Lane, batch: RunningBatch, slots: dict) -> int:
+        """Join the lane's waiting jobs that fit, oldest first (under the lock); returns the rows running."""
+        for job in list(self._waiting):
+            if job.lane != lane or len(job.prompts) > batch.free:
+                break
+            self._waiting.remove(job)
+            self._join(batch, slots, job)
+            job.batch_requests = len({job for job, _, _ in slots.values()})
+        return batch.running
 
     def _join(self, batch: RunningBatch, slots: dict, job: Job):
         job.started, job.rows_left = time.perf_counter(), len(job.prompts)
@@ -524,7 +558,7 @@ class Scheduler:
             return
         finally:
             self.running_rows = self.batch_size = 0
-        seconds = time.perf_counter() - start
+        seconds = self._call_seconds = time.perf_counter() - start
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
         self.stats.update(
             requests=len(jobs),

@@ -85,6 +85,8 @@ class ServeSettings:
     compile_on_demand: int = 0  # programs outside the start-up set compiled for requests, least recently used evicted
     batching: str = "static"  # or "continuous": block-wise dual-cache requests join a running batch between blocks
     max_body_bytes: int = 1 << 20  # a longer request body gets HTTP 413
+    # a batch with room waits up to this many times the last call's seconds for requests to fill it (0: never)
+    schedule_delay_factor: float = 0.0
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_context", "default_max_tokens"):
@@ -107,6 +109,8 @@ class ServeSettings:
             raise JaxportError(f"--alg {self.alg!r}: choose one of {', '.join(ALGORITHMS)}")
         if self.batching not in ("static", "continuous"):
             raise JaxportError(f"--batching {self.batching!r}: choose static or continuous")
+        if not self.schedule_delay_factor >= 0:
+            raise JaxportError(f"--schedule-delay-factor must be at least 0, got {self.schedule_delay_factor}")
         if self.compile_on_demand < 0:
             raise JaxportError(f"--compile-on-demand must be at least 0, got {self.compile_on_demand}")
         for new_tokens in self.max_tokens_buckets:
@@ -352,6 +356,7 @@ class DreamServer:
             batching=settings.batching,
             lane_tokens=settings.max_tokens_buckets[-1],
             max_context=settings.max_context,
+            delay_factor=settings.schedule_delay_factor,
         )
         self.metrics = ServerMetrics(self.scheduler)
         self.created = int(time.time())
