@@ -306,7 +306,7 @@ def test_sampling_filters_match_a_sorted_reference_row_by_row():
     """Top-p and top-k read off a partial sort, or found by bisection over the whole vocabulary when a row's
     survivors lie beyond it: the tokens a stable sort removes, ties at the cut included, and each row's the same
     whatever its batch."""
-    from jaxport.dream.sampling import PARTIAL_SORT, filters
+    from jaxport.dream.sampling import PARTIAL_SORT, TOP_K_SORT, filters
 
     rng = np.random.default_rng(0)
     V = 4 * PARTIAL_SORT
@@ -325,7 +325,7 @@ def test_sampling_filters_match_a_sorted_reference_row_by_row():
         np.testing.assert_array_equal(removed[r], expected, err_msg=f"row {r}")
         alone = filters(jnp.asarray(logits[r : r + 1]), jnp.asarray(top_p[r : r + 1]), jnp.asarray(top_k[r : r + 1]))
         np.testing.assert_array_equal(np.asarray(alone)[0] == np.finfo(np.float32).min, removed[r], err_msg=f"row {r}")
-    top_k_only = (top_p == 1) & (top_k <= PARTIAL_SORT)  # what a program without the bisection serves
+    top_k_only = (top_p == 1) & (top_k <= TOP_K_SORT)  # what a program without the bisection serves
     partial = filters(
         jnp.asarray(logits[top_k_only]), jnp.asarray(top_p[top_k_only]), jnp.asarray(top_k[top_k_only]), sort=False
     )

@@ -23,9 +23,10 @@ import numpy as np
 
 from jaxport.dream.settings import RowSettings
 
-# The filters' survivors are read off this many largest logits of a row (a partial sort) when they lie among them;
-# the rest of a batch's rows decide whether the whole vocabulary is sorted (docs/performance.md, "Sampling filters")
-PARTIAL_SORT = 32
+# The filters read a row's nucleus off its PARTIAL_SORT largest logits (a partial sort) when they hold it, and its
+# top-k off them or, in a batch with a larger top-k, off its TOP_K_SORT largest; beyond those the vocabulary is
+# searched (docs/performance.md, "Sampling filters": XLA:CPU's TopK costs several times more above 32)
+PARTIAL_SORT, TOP_K_SORT = 32, 64
 
 
 class Scores(NamedTuple):
@@ -67,7 +68,7 @@ class Rows(NamedTuple):
 class Branches(NamedTuple):
     """Which vocabulary-sized branches of `sample_tokens` a program contains (static): the categorical draw of a
     temperature, and the filters up to `filters` (0 none, 1 the partial sort that serves top-k up to
-    `PARTIAL_SORT`, 2 also the whole vocabulary's bisection that a wide top-p nucleus or a larger top-k needs). The
+    `TOP_K_SORT`, 2 also the whole vocabulary's bisection that a wide top-p nucleus or a larger top-k needs). The
     default holds them all; a row needing a branch the program lacks is a caller's error (`needed` gives what rows
     need)."""
 
@@ -78,7 +79,7 @@ class Branches(NamedTuple):
     def needed(cls, rows: Rows) -> "Branches":
         """What the host arrays `rows` need (top-p may need all the vocabulary: its survivors depend on the logits)."""
         top_p, top_k = np.asarray(rows.top_p), np.asarray(rows.top_k)
-        filters = 2 if (top_p < 1).any() or (top_k > PARTIAL_SORT).any() else 1 if (top_k > 0).any() else 0
+        filters = 2 if (top_p < 1).any() or (top_k > TOP_K_SORT).any() else 1 if (top_k > 0).any() else 0
         return cls(draw=bool((np.asarray(rows.temperature) > 0).any()), filters=filters)
 
 
@@ -124,7 +125,8 @@ def _first_marked(marked_RV: jax.Array, count_R1: jax.Array) -> jax.Array:
 
 def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
     """Which tokens top-p, then top-k, remove `[R, V]`, from each row's `K` largest logits in descending order
-    (`sorted_RK`) and its softmax normalizer; and whether the row's survivors lie among those `K` (`[R]`).
+    (`sorted_RK`) and its softmax normalizer; and whether the row's survivors lie among them (`[R]`: its top-k
+    among the `K`, its nucleus among the first `PARTIAL_SORT`).
 
     Top-p keeps the most likely tokens whose cumulative probability first exceeds `top_p` (the token that crosses
     it stays; at equal logits the lowest ids first, a stable order); a row with `top_p` 1 keeps all, whatever the
@@ -133,9 +135,10 @@ def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
     no permutation is scattered back (a slow scatter over the vocabulary on XLA:CPU)."""
     K, has_p = sorted_RK.shape[-1], top_p_R < 1
     probabilities = jnp.exp(sorted_RK - sorted_RK[:, :1]) / normalizer_R1
-    cumulative = jnp.cumsum(probabilities, axis=-1)
+    cumulative = jnp.cumsum(probabilities, axis=-1)  # a running sum: the first entries' do not depend on K
     kept = jnp.where(has_p, 1 + jnp.sum(cumulative[:, :-1] <= top_p_R[:, None], axis=-1), logits_RV.shape[-1])
-    fits = (~has_p | (cumulative[:, -1] > top_p_R)) & (top_k_R <= K)
+    # a nucleus fits within the first PARTIAL_SORT whatever K is, so a row's path does not depend on its batch
+    fits = (~has_p | (cumulative[:, min(K, PARTIAL_SORT) - 1] > top_p_R)) & (top_k_R <= K)
     kept_R1 = kept[:, None]
     cut = jnp.take_along_axis(sorted_RK, jnp.minimum(kept_R1, K) - 1, axis=-1)
     above, at_cut = logits_RV > cut, logits_RV == cut
@@ -201,36 +204,49 @@ def _filtered_out_by_bisection(logits_RV, normalizer_R1, top_p_R, top_k_R):
 def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: bool = True) -> jax.Array:
     """Each row's logits with top-p, then top-k, applied (`_filtered_out`); `top_p` 1 and `top_k` 0 filter nothing.
 
-    The survivors are read off a partial sort of `PARTIAL_SORT` logits; when some row's lie beyond it (a wide
-    nucleus, a large top-k) they are found by bisection over the whole vocabulary (`_filtered_out_by_bisection`:
-    XLA:CPU sorts a vocabulary slowly), which a program built with `sort=False` leaves out (its rows must have no
-    top-p and top-k up to `PARTIAL_SORT`). When every filtered row's nucleus is certainly wider than the partial
-    sort (its largest probability times `PARTIAL_SORT` stays below its top-p) the partial sort is skipped. A row's
-    result is the same in any batch."""
+    The survivors are read off a partial sort of `PARTIAL_SORT` logits, or `TOP_K_SORT` in a batch with a larger
+    top-k; when some row's lie beyond it (a nucleus wider than `PARTIAL_SORT`, a top-k above `TOP_K_SORT`) they are
+    found by bisection over the whole vocabulary (`_filtered_out_by_bisection`: XLA:CPU sorts a vocabulary slowly),
+    which a program built with `sort=False` leaves out (its rows must have no top-p and top-k up to `TOP_K_SORT`).
+    When every filtered row's nucleus is certainly wider than `PARTIAL_SORT` (its largest probability times that
+    stays below its top-p) the partial sort is skipped. A row's result is the same in any batch."""
     V = logits_RV.shape[-1]
-    K = min(PARTIAL_SORT, V)
 
-    def partial_sort():
-        # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
-        return jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, K)[0])
+    def by_partial_sort(read_off):
+        """`read_off(K largest logits of each row)`, with K the smaller partial sort that holds every row's top-k."""
+
+        def sorted_by(K):
+            # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
+            return lambda: read_off(jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, min(K, V))[0]))
+
+        if V <= PARTIAL_SORT:
+            return sorted_by(V)()
+        return jax.lax.cond(jnp.max(top_k_R) <= PARTIAL_SORT, sorted_by(PARTIAL_SORT), sorted_by(TOP_K_SORT))
 
     if not sort:  # no row has a top-p: top-k alone
-        return _removed(logits_RV, (top_k_R > 0)[:, None] & (logits_RV < _kth(partial_sort(), top_k_R)))
+        return _removed(
+            logits_RV,
+            by_partial_sort(lambda sorted_RK: (top_k_R > 0)[:, None] & (logits_RV < _kth(sorted_RK, top_k_R))),
+        )
     normalizer = jnp.sum(jnp.exp(logits_RV - jnp.max(logits_RV, axis=-1, keepdims=True)), axis=-1, keepdims=True)
     if V <= PARTIAL_SORT:
-        return _removed(logits_RV, _filtered_out(logits_RV, partial_sort(), normalizer, top_p_R, top_k_R)[0])
+        return _removed(
+            logits_RV, by_partial_sort(lambda s: _filtered_out(logits_RV, s, normalizer, top_p_R, top_k_R)[0])
+        )
 
     def whole_vocabulary():
         return _filtered_out_by_bisection(logits_RV, normalizer, top_p_R, top_k_R)
 
-    def read_off_the_partial_sort():
-        remove, fits = _filtered_out(logits_RV, partial_sort(), normalizer, top_p_R, top_k_R)
+    def read_off(sorted_RK):
+        remove, fits = _filtered_out(logits_RV, sorted_RK, normalizer, top_p_R, top_k_R)
         return jax.lax.cond(jnp.all(fits), lambda: remove, lambda: jnp.where(fits[:, None], remove, whole_vocabulary()))
 
-    # the K largest of a row's probabilities sum to at most K times its largest (1.001: room for their rounding)
-    wide = (top_p_R < 1) & (K * 1.001 / normalizer[:, 0] <= top_p_R)
+    # the PARTIAL_SORT largest of a row's probabilities sum to at most that many times its largest (1.001: rounding)
+    wide = (top_p_R < 1) & (PARTIAL_SORT * 1.001 / normalizer[:, 0] <= top_p_R)
     unfiltered = (top_p_R >= 1) & (top_k_R <= 0)
-    return _removed(logits_RV, jax.lax.cond(jnp.all(wide | unfiltered), whole_vocabulary, read_off_the_partial_sort))
+    return _removed(
+        logits_RV, jax.lax.cond(jnp.all(wide | unfiltered), whole_vocabulary, lambda: by_partial_sort(read_off))
+    )
 
 
 def _max_and_argmax(a_RV: jax.Array):
