@@ -521,35 +521,38 @@ def test_continuous_batching_frees_a_gone_clients_row_at_the_next_boundary(conti
     assert metrics(url)["block_calls"] - before["block_calls"] < 32
 
 
-def test_a_static_batch_waits_for_requests_that_fill_it():
-    """--schedule-delay-factor with static batching: after a batch, the next one waits (up to the factor times the
-    batch's seconds) until it is full; two requests sent one after the other when a batch ends run as one batch."""
+def _in_process_server(**settings):
+    """A `DreamServer` on the fixture model (2 rows, a delay factor of 100) with its programs compiled, and
+    `submit(prompt, max_tokens)`, which queues a request and returns an event set when it ends: the scheduler
+    itself, with no network between a reply and the next request."""
     from jaxport.dream.serve import COMPLETION, CompletionRequest, DreamServer, ServeSettings
 
     model, tokenizer = dream.load(MODEL, dtype="float32")
-    settings = ServeSettings(
-        model_name=NAME,
-        max_batch=2,
-        max_queue=4,
-        prompt_buckets=(64,),
-        max_tokens_buckets=(8,),
-        schedule_delay_factor=100.0,
+    serve_settings = ServeSettings(
+        model_name=NAME, max_batch=2, max_queue=4, prompt_buckets=(64,), schedule_delay_factor=100.0, **settings
     )
-    server = DreamServer(model, tokenizer, settings)
-    server.scheduler.warmup(settings.warmup_keys())
-    server.scheduler.start()
+    server = DreamServer(model, tokenizer, serve_settings)
+    server.scheduler.warmup(serve_settings.warmup_keys())
 
-    def submit(prompt: str) -> threading.Event:
+    def submit(prompt: str, max_tokens: int) -> threading.Event:
         ended = threading.Event()
-        body = CompletionRequest(model=NAME, prompt=prompt, max_tokens=8)
+        body = CompletionRequest(model=NAME, prompt=prompt, max_tokens=max_tokens)
         job = server.job(body, [prompt], "prompt", COMPLETION, lambda kind, _: kind != "delta" and ended.set())
         server.scheduler.submit(job)
         return ended
 
-    submit(PROMPTS[0]).wait()  # a batch of one: no batch ran before it, so nothing to wait for
-    second = submit(PROMPTS[1])
+    return server, submit
+
+
+def test_a_static_batch_waits_for_requests_that_fill_it():
+    """--schedule-delay-factor with static batching: after a batch, the next one waits (up to the factor times the
+    batch's seconds) until it is full; two requests sent one after the other when a batch ends run as one batch."""
+    server, submit = _in_process_server(max_tokens_buckets=(8,))
+    server.scheduler.start()
+    submit(PROMPTS[0], 8).wait()  # a batch of one: no batch ran before it, so nothing to wait for
+    second = submit(PROMPTS[1], 8)
     time.sleep(0.05)  # well within 100 times the first batch's seconds
-    third = submit(PROMPTS[2])
+    third = submit(PROMPTS[2], 8)
     second.wait()
     third.wait()
     server.scheduler.stop()
@@ -559,38 +562,17 @@ def test_a_static_batch_waits_for_requests_that_fill_it():
 
 def test_a_running_batch_waits_for_the_next_request_of_a_client_whose_row_left():
     """--schedule-delay-factor: a client that sends its next request as soon as its reply ends takes its row back at
-    the very next block call. In the scheduler itself (no network between a reply and the next request): a long
-    request and a chain of short ones, each sent when the one before ends, start together; the short rows run in
-    every one of the long one's calls."""
-    from jaxport.dream.serve import COMPLETION, CompletionRequest, DreamServer, ServeSettings
-
-    model, tokenizer = dream.load(MODEL, dtype="float32")
-    settings = ServeSettings(
-        model_name=NAME,
-        max_batch=2,
-        max_queue=4,
-        prompt_buckets=(64,),
-        max_tokens_buckets=(16, 64),
-        batching="continuous",
-        fast=(("block_length", 4), ("cache", "dual")),
-        schedule_delay_factor=100.0,  # the wait ends as soon as the row that left is replaced
+    the very next block call. A long request and a chain of short ones, each sent when the one before ends, start
+    together; the short rows run in every one of the long one's calls (the wait ends once the row is replaced)."""
+    server, submit = _in_process_server(
+        max_tokens_buckets=(16, 64), batching="continuous", fast=(("block_length", 4), ("cache", "dual"))
     )
-    server = DreamServer(model, tokenizer, settings)
-    server.scheduler.warmup(settings.warmup_keys())
-
-    def submit(max_tokens: int) -> threading.Event:
-        ended = threading.Event()
-        body = CompletionRequest(model=NAME, prompt=PROMPTS[1], max_tokens=max_tokens)
-        job = server.job(body, [PROMPTS[1]], "prompt", COMPLETION, lambda kind, _: kind != "delta" and ended.set())
-        server.scheduler.submit(job)
-        return ended
-
-    long_ended, short_ended, shorts = submit(64), submit(16), 1  # both join the first call
+    long_ended, short_ended, shorts = submit(PROMPTS[1], 64), submit(PROMPTS[1], 16), 1  # both join the first call
     server.scheduler.start()
     while not long_ended.is_set():
         short_ended.wait()
         if not long_ended.is_set():
-            short_ended, shorts = submit(16), shorts + 1
+            short_ended, shorts = submit(PROMPTS[1], 16), shorts + 1
     short_ended.wait()
     server.scheduler.stop()
     stats = server.scheduler.metrics()
