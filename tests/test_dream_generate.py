@@ -235,8 +235,8 @@ def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
 
 def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
     """A greedy generation compiles without the whole-vocabulary filter and the categorical draw (their buffers and
-    compile time); a top-p one holds the filter's bisection over the vocabulary; a row needing a branch gets it; no
-    program sorts the vocabulary."""
+    compile time); a top-p one holds the filter's bisection over the vocabulary, a top-k one a partial sort and, on a
+    small vocabulary, a cheaper search of one key; a row needing a branch gets it; no program sorts the vocabulary."""
     from jaxport.dream.exact import exact_target
     from jaxport.dream.program import prepare_generation
     from jaxport.dream.sampling import Branches
@@ -262,7 +262,9 @@ def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
     assert compiled(temperature=[0.0, 0.7], top_p=[1.0, 0.9])[0] == Branches(draw=True, filters=2)
     top_k_branches, top_k = compiled(top_k=[None, 20])
     assert top_k_branches == Branches(draw=False, filters=1)
-    assert not vocabulary(top_k, "u32[")  # the partial sort (XLA:CPU's TopK) alone
+    # a partial sort, and on this small vocabulary the bisection of one key per row for a top-k above PARTIAL_SORT;
+    # not top-p's bisections over the vocabulary's probabilities
+    assert 0 < 4 * len(vocabulary(top_k, "u32[")) < len(vocabulary(top_p, "u32["))
     assert not any(vocabulary(program, " sort(") for program in (greedy, top_p, top_k))
     assert compiled(top_k=[None, 200])[0] == Branches(draw=False, filters=2)
 
@@ -302,14 +304,15 @@ def _filters_reference(logits_V: np.ndarray, top_p: float, top_k: int) -> np.nda
     return remove
 
 
-def test_sampling_filters_match_a_sorted_reference_row_by_row():
-    """Top-p and top-k read off a partial sort, or found by bisection over the whole vocabulary when a row's
-    survivors lie beyond it: the tokens a stable sort removes, ties at the cut included, and each row's the same
-    whatever its batch."""
-    from jaxport.dream.sampling import PARTIAL_SORT, TOP_K_SORT, filters
+@pytest.mark.parametrize("large", [False, True], ids=["small vocabulary", "chunked vocabulary"])
+def test_sampling_filters_match_a_sorted_reference_row_by_row(large):
+    """Top-p and top-k read off a partial sort (on a large vocabulary, of the chunks holding the largest logits), or
+    found by bisection over the whole vocabulary when a row's survivors lie beyond it: the tokens a stable sort
+    removes, ties at the cut included, and each row's the same whatever its batch."""
+    from jaxport.dream.sampling import CHUNK, PARTIAL_SORT, TOP_K_SORT, filters
 
     rng = np.random.default_rng(0)
-    V = 4 * PARTIAL_SORT
+    V = TOP_K_SORT * CHUNK + 7 if large else 4 * PARTIAL_SORT  # 7: the last chunk padded
     peaked = rng.normal(size=(8, V)) * 8  # narrow nuclei: the partial sort holds them
     flat = rng.normal(size=(4, V)) * 0.1  # wide nuclei: the bisection
     tied = np.round(rng.normal(size=(4, V)) * 3)  # many equal logits at every cut
@@ -330,6 +333,13 @@ def test_sampling_filters_match_a_sorted_reference_row_by_row():
         jnp.asarray(logits[top_k_only]), jnp.asarray(top_p[top_k_only]), jnp.asarray(top_k[top_k_only]), sort=False
     )
     np.testing.assert_array_equal(np.asarray(partial) == np.finfo(np.float32).min, removed[top_k_only])
+    for r in np.flatnonzero(top_k_only):  # alone, the top-k program may take the other branch
+        alone = filters(
+            jnp.asarray(logits[r : r + 1]), jnp.asarray(top_p[r : r + 1]), jnp.asarray(top_k[r : r + 1]), sort=False
+        )
+        np.testing.assert_array_equal(np.asarray(alone)[0] == np.finfo(np.float32).min, removed[r], err_msg=f"row {r}")
+    if large:
+        return
     kept = (~removed).sum(axis=-1)
     assert (
         kept[[1, 2, 3, 5, 7]].max() < PARTIAL_SORT < kept[[8, 11]].min()

@@ -100,8 +100,9 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: 
 
     def full_forward(x_BN):
         """(hidden states predicting the block, the cache) from the whole canvas."""
-        h_BND, cache = model.hidden_states_cached(x_BN, mask, position_ids)
-        return window_at(h_BND, start - 1, width), cache
+        # the last layer's queries and MLP run at the window only: every other row of it is a key and value
+        rows_BW = jnp.broadcast_to(start_B1 - 1 + jnp.arange(width), (B, width))
+        return model.hidden_states_cached(x_BN, mask, position_ids, rows=rows_BW)
 
     def cached_forward(x_BN, cache):
         if refresh:

@@ -71,7 +71,9 @@ class DreamModel(nnx.Module):
         h_BND, states, _ = self._decode(input_ids_BN, mask, position_ids_BN)
         return (h_BND, states[:-1] + [h_BND]) if all_layers else h_BND
 
-    def hidden_states_cached(self, input_ids_BS, mask=None, position_ids_BS=None, kv_cache=None, cache_index=0):
+    def hidden_states_cached(
+        self, input_ids_BS, mask=None, position_ids_BS=None, kv_cache=None, cache_index=0, *, rows=None
+    ):
         """`(hidden states [B, S, D], kv_cache)`, where `kv_cache` holds every layer's rotated keys and
         values `([B, T, K, Dh], [B, T, K, Dh])` over the whole canvas.
 
@@ -80,8 +82,10 @@ class DreamModel(nnx.Module):
         row `[B]`): each layer attends over the cached keys/values with this window's fresh ones written in (an
         approximate cache: the other positions keep the states of the canvas they were computed from). `mask`
         then covers the window's queries against all `T` keys (`[B, T]` key padding, or `[B, 1, S, T]`).
+        With `rows` (`[B, Q]`, without `kv_cache`), the hidden states of those rows only, `[B, Q, D]`, as
+        `hidden_states_at`: the cache still holds every layer's keys and values at every position.
         """
-        h_BSD, _, kv_cache = self._decode(input_ids_BS, mask, position_ids_BS, kv_cache, cache_index)
+        h_BSD, _, kv_cache = self._decode(input_ids_BS, mask, position_ids_BS, kv_cache, cache_index, rows)
         return h_BSD, kv_cache
 
     def hidden_states_at(self, input_ids_BN, mask=None, position_ids_BN=None):
@@ -104,11 +108,15 @@ class DreamModel(nnx.Module):
         cos, sin = rotary_cos_sin(self.config.head_dim, position_ids_BS, self.config.rope_theta)
         return self.embed_tokens(input_ids_BS), (cos.astype(self.dtype), sin.astype(self.dtype))
 
-    def _decode(self, input_ids_BS, mask, position_ids_BS, kv_cache=None, cache_index=0):
+    def _decode(self, input_ids_BS, mask, position_ids_BS, kv_cache=None, cache_index=0, rows=None):
+        """`(final hidden states, every layer's input and output, every layer's keys/values)`; with `rows` the last
+        layer's queries, output and MLP run at those rows only."""
         x_BSD, cos_sin = self._embed(input_ids_BS, position_ids_BS)
         states, new_cache = [x_BSD], []
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x_BSD, kv = layer(x_BSD, cos_sin, mask, None if kv_cache is None else kv_cache[i], cache_index)
+            cached = None if kv_cache is None else kv_cache[i]
+            x_BSD, kv = layer(x_BSD, cos_sin, mask, cached, cache_index, rows=rows if i == last else None)
             states.append(x_BSD)
             new_cache.append(kv)
         return self.norm(x_BSD), states, new_cache

@@ -27,6 +27,10 @@ from jaxport.dream.settings import RowSettings
 # top-k off them or, in a batch with a larger top-k, off its TOP_K_SORT largest; beyond those the vocabulary is
 # searched (docs/performance.md, "Sampling filters": XLA:CPU's TopK costs several times more above 32)
 PARTIAL_SORT, TOP_K_SORT = 32, 64
+# A partial sort of a vocabulary of at least K * CHUNK logits runs on the largest logit of each CHUNK and then on
+# the chunks that hold the K largest; below that, a top-k above PARTIAL_SORT is found by bisection (the TopK kernel
+# costs more than 32 halvings there; docs/performance.md, "Sampling filters")
+CHUNK = 16
 
 
 class Scores(NamedTuple):
@@ -113,6 +117,11 @@ def _kth(values_RK: jax.Array, top_k_R: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values_RK, jnp.clip(top_k_R - 1, 0, values_RK.shape[-1] - 1)[:, None], axis=-1)
 
 
+def _below_kth(logits_RV, sorted_RK, top_k_R) -> jax.Array:
+    """Which logits fall below their row's `top_k`-th largest (read off its descending `sorted_RK`), `[R, V]`."""
+    return (top_k_R > 0)[:, None] & (logits_RV < _kth(sorted_RK, top_k_R))
+
+
 def _first_marked(marked_RV: jax.Array, count_R1: jax.Array) -> jax.Array:
     """The first `count` marked tokens of each row in vocabulary order; the running count (a slow scan of the
     vocabulary on XLA:CPU) runs only when some row has more marked tokens than it keeps (equal logits at a cut)."""
@@ -147,6 +156,21 @@ def _filtered_out(logits_RV, sorted_RK, normalizer_R1, top_p_R, top_k_R):
     return remove | ((top_k_R > 0)[:, None] & (_removed(logits_RV, remove) < _kth(survivors, top_k_R))), fits
 
 
+def _largest(logits_RV: jax.Array, K: int) -> jax.Array:
+    """Each row's `K` largest logits in descending order, `[R, K]`. On a large vocabulary the K largest of the
+    chunks' largest logits pick K chunks, which hold the row's K largest values: every logit above the K-th chunk
+    maximum lies in a picked chunk, and each picked chunk adds at least its maximum."""
+    # the barriers keep XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
+    R, V = logits_RV.shape
+    if V < K * CHUNK:
+        return jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, min(K, V))[0])
+    padded = jnp.pad(logits_RV, ((0, 0), (0, -V % CHUNK)), constant_values=jnp.finfo(logits_RV.dtype).min)
+    chunks_RCW = padded.reshape(R, -1, CHUNK)
+    picked_RK = jax.lax.optimization_barrier(jax.lax.top_k(jnp.max(chunks_RCW, axis=-1), K)[1])
+    candidates = jnp.take_along_axis(chunks_RCW, picked_RK[:, :, None], axis=1).reshape(R, K * CHUNK)
+    return jax.lax.optimization_barrier(jax.lax.top_k(candidates, K)[0])
+
+
 def _ordered_keys(x_RV: jax.Array) -> jax.Array:
     """uint32 keys in the order of the float32 values (-0 as +0): comparisons of keys are comparisons of values."""
     bits = jax.lax.bitcast_convert_type(jnp.where(x_RV == 0, 0.0, x_RV).astype(jnp.float32), jnp.uint32)
@@ -167,6 +191,12 @@ def _largest_key(keys_RV: jax.Array, candidates_RV: jax.Array, holds) -> jax.Arr
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
     return jax.lax.fori_loop(0, 32, halve, (lo, jnp.maximum(hi, lo)))[0]
+
+
+def _below_kth_key(keys_RV: jax.Array, kept_RV: jax.Array, top_k_R: jax.Array) -> jax.Array:
+    """Which tokens have keys below the `top_k`-th largest of their row's kept ones (bisection), `[R, V]`."""
+    kth = _largest_key(keys_RV, kept_RV, lambda selected: jnp.sum(selected & kept_RV, axis=-1) >= top_k_R)
+    return (top_k_R > 0)[:, None] & (keys_RV < kth)
 
 
 def _filtered_out_by_bisection(logits_RV, normalizer_R1, top_p_R, top_k_R):
@@ -195,8 +225,7 @@ def _filtered_out_by_bisection(logits_RV, normalizer_R1, top_p_R, top_k_R):
     remove = cuts[:, None] & ~within
 
     def top_k_removes():
-        kth = _largest_key(keys, ~remove, lambda selected: jnp.sum(selected & ~remove, axis=-1) >= top_k_R)
-        return remove | ((top_k_R > 0)[:, None] & (keys < kth))
+        return remove | _below_kth_key(keys, ~remove, top_k_R)
 
     return jax.lax.cond(jnp.any(top_k_R > 0), top_k_removes, lambda: remove)
 
@@ -207,7 +236,8 @@ def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: 
     The survivors are read off a partial sort of `PARTIAL_SORT` logits, or `TOP_K_SORT` in a batch with a larger
     top-k; when some row's lie beyond it (a nucleus wider than `PARTIAL_SORT`, a top-k above `TOP_K_SORT`) they are
     found by bisection over the whole vocabulary (`_filtered_out_by_bisection`: XLA:CPU sorts a vocabulary slowly),
-    which a program built with `sort=False` leaves out (its rows must have no top-p and top-k up to `TOP_K_SORT`).
+    which a program built with `sort=False` leaves out (its rows must have no top-p and top-k up to `TOP_K_SORT`;
+    on a vocabulary below `TOP_K_SORT * CHUNK` its top-k above `PARTIAL_SORT` is found by bisection).
     When every filtered row's nucleus is certainly wider than `PARTIAL_SORT` (its largest probability times that
     stays below its top-p) the partial sort is skipped. A row's result is the same in any batch."""
     V = logits_RV.shape[-1]
@@ -216,18 +246,26 @@ def filters(logits_RV: jax.Array, top_p_R: jax.Array, top_k_R: jax.Array, sort: 
         """`read_off(K largest logits of each row)`, with K the smaller partial sort that holds every row's top-k."""
 
         def sorted_by(K):
-            # the barrier keeps XLA:CPU's TopK kernel: slices of its result merged into it turn it into a whole sort
-            return lambda: read_off(jax.lax.optimization_barrier(jax.lax.top_k(logits_RV, min(K, V))[0]))
+            return lambda: read_off(_largest(logits_RV, K))
 
         if V <= PARTIAL_SORT:
             return sorted_by(V)()
         return jax.lax.cond(jnp.max(top_k_R) <= PARTIAL_SORT, sorted_by(PARTIAL_SORT), sorted_by(TOP_K_SORT))
 
     if not sort:  # no row has a top-p: top-k alone
-        return _removed(
-            logits_RV,
-            by_partial_sort(lambda sorted_RK: (top_k_R > 0)[:, None] & (logits_RV < _kth(sorted_RK, top_k_R))),
+
+        def below_kth(sorted_RK):
+            return _below_kth(logits_RV, sorted_RK, top_k_R)
+
+        if not PARTIAL_SORT < V < TOP_K_SORT * CHUNK:
+            return _removed(logits_RV, by_partial_sort(below_kth))
+        keys, everything = _ordered_keys(logits_RV), jnp.ones(logits_RV.shape, bool)
+        remove = jax.lax.cond(
+            jnp.max(top_k_R) <= PARTIAL_SORT,
+            lambda: below_kth(_largest(logits_RV, PARTIAL_SORT)),
+            lambda: _below_kth_key(keys, everything, top_k_R),  # cheaper than a TopK of 64 on a small vocabulary
         )
+        return _removed(logits_RV, remove)
     normalizer = jnp.sum(jnp.exp(logits_RV - jnp.max(logits_RV, axis=-1, keepdims=True)), axis=-1, keepdims=True)
     if V <= PARTIAL_SORT:
         return _removed(
