@@ -8,6 +8,7 @@ compiled programs (`jaxport.dream.scheduler.CompiledPrograms`).
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -229,9 +230,15 @@ def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:
         )
         rng = jax.random.wrap_key_data(rng)
     if rng.shape == ():
-        return jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch))
+        return _folded_rows(rng, batch)
     _check("rng", rng.shape == (batch,), f"{rng.shape[0]} keys for a batch of {batch} rows")
     return rng
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _folded_rows(rng: jax.Array, batch: int) -> jax.Array:
+    """`fold_in(rng, b)` for every row b, compiled: run eagerly, the vmap costs more than a small block call."""
+    return jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch))
 
 
 def decoding_program(function, model, x_BN, **jit_kwargs):
