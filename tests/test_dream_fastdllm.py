@@ -118,13 +118,14 @@ def test_later_steps_attend_to_the_window_fresh_keys_and_values():
 
     h, written = window(cache)
     garbage_in_window = [
-        (k.at[:, start : start + size].set(7.0), v.at[:, start : start + size].set(-7.0)) for k, v in cache
+        (k.at[:, :, start : start + size].set(7.0), v.at[:, :, start : start + size].set(-7.0)) for k, v in cache
     ]
-    garbage_outside = [(k.at[:, :start].set(7.0), v.at[:, :start].set(-7.0)) for k, v in cache]
+    garbage_outside = [(k.at[:, :, :start].set(7.0), v.at[:, :, :start].set(-7.0)) for k, v in cache]
     np.testing.assert_array_equal(np.asarray(window(garbage_in_window)[0]), np.asarray(h))
     assert not np.allclose(np.asarray(window(garbage_outside)[0]), np.asarray(h), atol=1e-3)
     _, fresh = model.hidden_states_cached(new)
     k_written, k_old, k_fresh = (np.asarray(c[0][0]) for c in (written, cache, fresh))
-    np.testing.assert_allclose(k_written[:, start : start + size], k_fresh[:, start : start + size], atol=1e-5)
-    np.testing.assert_array_equal(k_written[:, :start], k_old[:, :start])
-    np.testing.assert_array_equal(k_written[:, start + size :], k_old[:, start + size :])
+    # the cache is heads first, [B, K, T, Dh]
+    np.testing.assert_allclose(k_written[:, :, start : start + size], k_fresh[:, :, start : start + size], atol=1e-5)
+    np.testing.assert_array_equal(k_written[:, :, :start], k_old[:, :, :start])
+    np.testing.assert_array_equal(k_written[:, :, start + size :], k_old[:, :, start + size :])

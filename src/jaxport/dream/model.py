@@ -75,7 +75,7 @@ class DreamModel(nnx.Module):
         self, input_ids_BS, mask=None, position_ids_BS=None, kv_cache=None, cache_index=0, *, rows=None
     ):
         """`(hidden states [B, S, D], kv_cache)`, where `kv_cache` holds every layer's rotated keys and
-        values `([B, T, K, Dh], [B, T, K, Dh])` over the whole canvas.
+        values `([B, K, T, Dh], [B, K, T, Dh])` over the whole canvas, heads first.
 
         Without `kv_cache` the `S` tokens are the whole canvas (`T = S`), as `hidden_states`. With one
         (from an earlier call), they are canvas positions `cache_index ..` (one index for the batch, or one per
@@ -144,9 +144,12 @@ class DreamModel(nnx.Module):
 
     def place_batch(self, *arrays):
         """Put `[B, ...]` host arrays on the model's mesh, split over its batch axes when B divides."""
+        # one transfer call for all: each call waits for a thread that the running program keeps busy
         if self.mesh is None:
-            return [None if a is None else jnp.asarray(a) for a in arrays]
-        return [None if a is None else jax.device_put(a, batch_sharding(self.mesh, np.shape(a))) for a in arrays]
+            return jax.device_put(list(arrays))
+        return jax.device_put(
+            list(arrays), [None if a is None else batch_sharding(self.mesh, np.shape(a)) for a in arrays]
+        )
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, output_hidden_states=False):
         """Raw logits `[B, N, V]` in the model dtype, as `DreamModel(...).logits` (compiled; position `j`

@@ -221,7 +221,8 @@ def prepare_generation(
 def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:
     """Each row's random key: `rng` (default `jax.random.key(0)`) is one key, row b drawing from
     `fold_in(rng, b)`, or one key per row."""
-    rng = jax.random.key(0) if rng is None else rng
+    if rng is None:
+        return _folded_rows(0, batch)
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
         _check(
             "rng",
@@ -236,8 +237,10 @@ def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _folded_rows(rng: jax.Array, batch: int) -> jax.Array:
-    """`fold_in(rng, b)` for every row b, compiled: run eagerly, the vmap costs more than a small block call."""
+def _folded_rows(rng, batch: int) -> jax.Array:
+    """`fold_in(rng, b)` for every row b, compiled (run eagerly, the vmap costs more than a small block call); an
+    integer `rng` is the seed of `jax.random.key`, made in the same call."""
+    rng = rng if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.key(rng)
     return jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch))
 
 

@@ -23,8 +23,12 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    kv_heads_first: bool = False,
 ) -> jax.Array:
     """Softmax attention with `H` query heads sharing `K` key/value heads (H % K == 0).
+
+    `q` is `[B, S, H, D]` and the output too; `k` and `v` are `[B, T, K, D]`, or `[B, K, T, D]` with
+    `kv_heads_first` (a KV cache kept in the layout the products read, so that no step transposes it).
 
     `mask` is boolean, True where a query may attend: `[B, T]` (key padding),
     `[B, S, T]` or `[B, 1|H, S, T]`. Scores and softmax are float32. A query row
@@ -37,39 +41,69 @@ def dot_product_attention(
     or ("recompute") computes again.
     """
     B, S, H, D = q_BSHD.shape
-    T, K = k_BTKD.shape[1], k_BTKD.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     implementation = runtime.current().attention
+    if kv_heads_first and (causal or implementation == "cudnn"):  # these kernels read keys by position
+        k_BTKD, v_BTKD, kv_heads_first = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3), False
     if implementation == "cudnn" and mask is None and (dropout_rng is None or dropout_rate == 0.0):
         fused = _cudnn_attention(q_BSHD, k_BTKD, v_BTKD, causal, scale)
         if fused is not None:
             return fused
-    if K != H:
+    K = k_BTKD.shape[1 if kv_heads_first else 2]
+    if K != H and not kv_heads_first:
         # Grouped KV heads: each KV head serves H // K consecutive query heads. Repeating them keeps
-        # the plain 4-D contraction, which XLA:CPU runs faster than a 5-D grouped one.
+        # the plain 4-D contraction, which XLA:CPU runs faster than a 5-D grouped one. (Heads first, the
+        # queries are grouped by KV head instead: `_queries_by_kv_head`.)
         k_BTKD, v_BTKD = jnp.repeat(k_BTKD, H // K, axis=2), jnp.repeat(v_BTKD, H // K, axis=2)
+    T = k_BTKD.shape[2 if kv_heads_first else 1]
     in_blocks = causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK
     if implementation == "causal_blocks" and in_blocks:
         return _causal_attention_in_blocks(q_BSHD, k_BTKD, v_BTKD, scale, dropout_rate, dropout_rng)
     if not causal and mask is None and dropout_rng is None:
-        attention = functools.partial(_heads_first_attention, scale=scale)
+        attention = functools.partial(_heads_first_attention, scale=scale, kv_heads_first=kv_heads_first)
     else:
-        attention = functools.partial(_masked_attention, causal=causal, scale=scale, dropout_rate=dropout_rate)
+        attention = functools.partial(
+            _masked_attention, causal=causal, scale=scale, dropout_rate=dropout_rate, kv_heads_first=kv_heads_first
+        )
     if implementation == "recompute":  # the backward pass keeps q, k, v and recomputes the [B, H, S, T] scores
         attention = jax.checkpoint(attention, policy=jax.checkpoint_policies.nothing_saveable)
     return attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng)
 
 
-def _heads_first_attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng, *, scale: float):
+def _queries_by_kv_head(q_BSHD, K: int):
+    """`[B, K, G * S, D]`: the queries of the `G = H / K` heads that share each KV head, one after the other, so
+    that each KV head's keys are one operand of one product (no copy of them per query head)."""
+    B, S, H, D = q_BSHD.shape
+    return q_BSHD.reshape(B, S, K, H // K, D).transpose(0, 2, 3, 1, 4).reshape(B, K, H // K * S, D)
+
+
+def _heads_last(out_BKQD, S: int):
+    """`[B, S, H, D]` from `[B, K, G * S, D]` (the inverse of `_queries_by_kv_head`)."""
+    B, K, Q, D = out_BKQD.shape
+    return out_BKQD.reshape(B, K, Q // S, S, D).transpose(0, 3, 1, 2, 4).reshape(B, S, K * (Q // S), D)
+
+
+def _heads_first_attention(q_BSHD, k, v, mask, dropout_rng, *, scale: float, kv_heads_first: bool):
     """`_full_attention` on heads-first operands (no mask, no dropout)."""
+    if kv_heads_first:
+        q_BKQD, k_BKTD, v_BKTD = (_row_major_unless_f32(x) for x in (_queries_by_kv_head(q_BSHD, k.shape[1]), k, v))
+        return _row_major_unless_f32(_heads_last(_full_attention(q_BKQD, k_BKTD, v_BKTD, scale), q_BSHD.shape[1]))
     heads_first = lambda x: _row_major_unless_f32(x.transpose(0, 2, 1, 3))  # noqa: E731
-    return heads_first(_full_attention(heads_first(q_BSHD), heads_first(k_BTKD), heads_first(v_BTKD), scale))
+    return heads_first(_full_attention(heads_first(q_BSHD), heads_first(k), heads_first(v), scale))
 
 
-def _masked_attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng, *, causal: bool, scale: float, dropout_rate: float):
+def _masked_attention(
+    q_BSHD, k, v, mask, dropout_rng, *, causal: bool, scale: float, dropout_rate: float, kv_heads_first: bool
+):
     """XLA's ops: one product for the scores, a causal band and/or `mask`, softmax, dropout, one product with `v`."""
-    S, T = q_BSHD.shape[1], k_BTKD.shape[1]
-    scores = jnp.einsum("bshd,bthd->bhst", q_BSHD, k_BTKD, preferred_element_type=jnp.float32) * scale
+    B, S, H, _ = q_BSHD.shape
+    if kv_heads_first:
+        K, T = k.shape[1], k.shape[2]
+        scores = jnp.einsum("bkqd,bktd->bkqt", _queries_by_kv_head(q_BSHD, K), k, preferred_element_type=jnp.float32)
+        scores = scores.reshape(B, H, S, T) * scale
+    else:
+        T = k.shape[1]
+        scores = jnp.einsum("bshd,bthd->bhst", q_BSHD, k, preferred_element_type=jnp.float32) * scale
     allowed = None
     if causal:
         allowed = jnp.tril(jnp.ones((S, T), dtype=bool), k=T - S)
@@ -81,8 +115,10 @@ def _masked_attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng, *, causal: bool
     probs = jax.nn.softmax(scores, axis=-1)
     if mask is not None or (causal and S > T):  # a causal band alone leaves every row a key when S <= T
         probs = jnp.where(jnp.any(allowed, axis=-1, keepdims=True), probs, 0.0)
-    probs = dropout(probs, dropout_rate, dropout_rng)
-    return jnp.einsum("bhst,bthd->bshd", probs.astype(v_BTKD.dtype), v_BTKD)
+    probs = dropout(probs, dropout_rate, dropout_rng).astype(v.dtype)
+    if kv_heads_first:
+        return _heads_last(jnp.einsum("bkqt,bktd->bkqd", probs.reshape(B, K, H // K * S, T), v), S)
+    return jnp.einsum("bhst,bthd->bshd", probs, v)
 
 
 def _cudnn_attention(q_BSHD, k_BTKD, v_BTKD, causal: bool, scale: float):
@@ -207,11 +243,13 @@ def window_at(a_BN: jax.Array, start, size: int) -> jax.Array:
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, size, axis=0))(a_BN, start)
 
 
-def write_at(a_BN: jax.Array, values_BW: jax.Array, start) -> jax.Array:
-    """`a` with `values` written along axis 1 from `start`: one for the batch (a scalar), or one per row (`[B]`)."""
+def write_at(a_BN: jax.Array, values_BW: jax.Array, start, axis: int = 1) -> jax.Array:
+    """`a` with `values` written along `axis` (not the batch's) from `start`: one for the batch (a scalar), or one
+    per row (`[B]`)."""
     if jnp.ndim(start) == 0:
-        return jax.lax.dynamic_update_slice_in_dim(a_BN, values_BW, start, axis=1)
-    return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice_in_dim(row, v, s, axis=0))(a_BN, values_BW, start)
+        return jax.lax.dynamic_update_slice_in_dim(a_BN, values_BW, start, axis=axis)
+    write_row = lambda row, v, s: jax.lax.dynamic_update_slice_in_dim(row, v, s, axis=axis - 1)  # noqa: E731
+    return jax.vmap(write_row)(a_BN, values_BW, start)
 
 
 def _table_rows(table, rows_BQ):
@@ -280,9 +318,10 @@ class Attention(nnx.Module):
         cache_index=0,
         query_rows: jax.Array | None = None,
     ):
-        """`(output, (k_BTKD, v_BTKD))`: the output and the (rotated) keys/values attended over.
+        """`(output, (k_BKTD, v_BKTD))`: the output and the (rotated) keys/values attended over, heads first (the
+        layout the attention's products read, so a cache of them is never transposed).
 
-        With `kv_cache = (k, v)` of a longer sequence `[B, T, K, D]`, the `S` rows of `x` are its
+        With `kv_cache = (k, v)` of a longer sequence `[B, K, T, D]`, the `S` rows of `x` are its
         positions `cache_index .. cache_index + S - 1` (one index for the batch, or one per row `[B]`): their
         fresh keys/values replace the cached ones there and the queries attend over all `T` positions (`mask`
         then covers `[.., S, T]`).
@@ -305,7 +344,8 @@ class Attention(nnx.Module):
                 if mask.ndim == 3
                 else take_rows(mask.swapaxes(1, 2), query_rows).swapaxes(1, 2)
             )
+        k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))
         if kv_cache is not None:
-            k, v = (write_at(cached, new.astype(cached.dtype), cache_index) for cached, new in zip(kv_cache, (k, v)))
-        out = dot_product_attention(q, k, v, causal=self.causal, mask=mask)
+            k, v = (write_at(old, new.astype(old.dtype), cache_index, axis=2) for old, new in zip(kv_cache, (k, v)))
+        out = dot_product_attention(q, k, v, causal=self.causal, mask=mask, kv_heads_first=True)
         return self.o_proj(out.reshape(B, q.shape[1], self.num_heads * self.head_dim)), (k, v)
