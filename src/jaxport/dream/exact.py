@@ -17,6 +17,7 @@ from jaxport.dream.program import (
     Prepared,
     Program,
     decoding_program,
+    merged,
     padding_inputs,
     record,
 )
@@ -33,7 +34,7 @@ def step_keys(keys_B, index):
 
 def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Program):
     """The whole decoding: `(sequences, records)`."""
-    model = nnx.merge(graphdef, state)
+    model = merged(graphdef, state)
     settings, first, mask_id = program.settings, program.first, program.mask_token_id
     B, N = x_BN.shape
     mask, position_ids = padding_inputs(valid_BN, B, N)

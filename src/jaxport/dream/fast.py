@@ -54,6 +54,7 @@ from jaxport.dream.program import (
     Prepared,
     Program,
     decoding_program,
+    merged,
     padding_inputs,
     prepare_generation,
     record,
@@ -84,7 +85,7 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: 
     batch (static for the prefix cache, traced otherwise) or one per row (`[B]`: the rows of a continuous batch,
     each at its own block; not with the prefix cache, whose window shape depends on the block). `refresh` (for
     tests) rebuilds the cache from the current canvas before every cached step."""
-    model = nnx.merge(graphdef, state)
+    model = merged(graphdef, state)
     settings, mask_id = program.settings, program.mask_token_id
     B, N = x_BN.shape
     width, cache_kind, fastdllm = settings.block_length, settings.cache, settings.schedule == "fastdllm"

@@ -222,7 +222,7 @@ def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:
     """Each row's random key: `rng` (default `jax.random.key(0)`) is one key, row b drawing from
     `fold_in(rng, b)`, or one key per row."""
     if rng is None:
-        return _folded_rows(0, batch)
+        return _default_row_keys(batch)
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
         _check(
             "rng",
@@ -236,12 +236,22 @@ def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:
     return rng
 
 
+@functools.lru_cache(maxsize=64)
+def _default_row_keys(batch: int) -> jax.Array:
+    """The row keys of the default `rng`, `jax.random.key(0)`, made once per batch size (an array, never changed)."""
+    return _folded_rows(jax.random.key(0), batch)
+
+
 @functools.partial(jax.jit, static_argnums=1)
-def _folded_rows(rng, batch: int) -> jax.Array:
-    """`fold_in(rng, b)` for every row b, compiled (run eagerly, the vmap costs more than a small block call); an
-    integer `rng` is the seed of `jax.random.key`, made in the same call."""
-    rng = rng if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.key(rng)
+def _folded_rows(rng: jax.Array, batch: int) -> jax.Array:
+    """`fold_in(rng, b)` for every row b, compiled: run eagerly, the vmap costs more than a small block call."""
     return jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch))
+
+
+def merged(graphdef, state):
+    """The model a decoding loop runs: `nnx.merge(graphdef, state)`, or `state` itself where `graphdef` is None (the
+    module passed whole, as a pytree: `JitPrograms`)."""
+    return state if graphdef is None else nnx.merge(graphdef, state)
 
 
 def decoding_program(function, model, x_BN, **jit_kwargs):
@@ -253,12 +263,13 @@ def decoding_program(function, model, x_BN, **jit_kwargs):
 
 class JitPrograms:
     """Runs a decoding loop `function(graphdef, state, x_BN, *dynamic, **static)` of a model, compiled by
-    `decoding_program` (jax.jit's cache keeps one program per static arguments and shapes)."""
+    `decoding_program` (jax.jit's cache keeps one program per static arguments and shapes). The model goes in whole,
+    as a pytree (`graphdef` None, `merged`): flattening it costs a tenth of `nnx.split`, whose graph jax.jit would
+    also hash at every call, and it reads the model's current weights at every call."""
 
     def __init__(self, model):
         self.model = model
-        self.graphdef, self.state = nnx.split(model)
 
     def __call__(self, function, static: dict, x_BN, *dynamic):
         jitted = decoding_program(function, self.model, x_BN, static_argnames=("graphdef", *static))
-        return jitted(self.graphdef, self.state, x_BN, *dynamic, **static)
+        return jitted(None, self.model, x_BN, *dynamic, **static)
