@@ -80,11 +80,12 @@ class FinishedBlock:
         return self.output.sequences[:, self.start : self.end]
 
 
-def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: Program, refresh: bool):
+def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, program: Program, refresh: bool):
     """Run the steps of block `block` on the canvas: `(canvas, records, steps run)`. `block` is one index for the
     batch (static for the prefix cache, traced otherwise) or one per row (`[B]`: the rows of a continuous batch,
     each at its own block; not with the prefix cache, whose window shape depends on the block). `refresh` (for
-    tests) rebuilds the cache from the current canvas before every cached step."""
+    tests) rebuilds the cache from the current canvas before every cached step. `head_DV`: the vocabulary projection's
+    weight as `[D, V]` (`Prepared.head_DV`), or None."""
     model = merged(graphdef, state)
     settings, mask_id = program.settings, program.mask_token_id
     B, N = x_BN.shape
@@ -98,6 +99,7 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: 
     # block position j is scored from window row j + lead - 1 (Fast-dLLM: the first from itself)
     scoring_rows = np.maximum(np.arange(width) + lead - 1, 0)
     with_threshold_B1 = jnp.isfinite(rows.threshold)[:, None]
+    head = functools.partial(model.head, table_DV=head_DV)
 
     def full_forward(x_BN):
         """(hidden states predicting the block, the cache) from the whole canvas."""
@@ -143,7 +145,7 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: 
 
     def unmask_ranked(window_BW, hidden_at, step, sample_keys, select_keys, active_B1):
         is_mask = window_BW == mask_id
-        scores = masked_scores(model.head, hidden_at, is_mask, sample_keys, settings.alg, rows, program.branches)
+        scores = masked_scores(head, hidden_at, is_mask, sample_keys, settings.alg, rows, program.branches)
         n = transfer_count(is_mask, step, active_B1)
         p_transfer = ratios[jnp.minimum(step, schedule_steps - 1)]
         return unmask(window_BW, scores, select_keys, n, p_transfer, alg=settings.alg, rows=rows, mask_token_id=mask_id)
@@ -155,7 +157,7 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, block, program: 
             *(
                 a[:, 0]
                 for a in sample_tokens(
-                    model.head(hidden_at(first_BS)), sample_keys, first_BS, settings.alg, rows, program.branches
+                    head(hidden_at(first_BS)), sample_keys, first_BS, settings.alg, rows, program.branches
                 )
             )
         )
@@ -218,7 +220,7 @@ def run_block(programs, prepared: Prepared, x_BN, block, refresh: bool = False):
     `(canvas, records, steps run)`. `block` is an int, or one index per row (`[B]`, not with the prefix cache)."""
     program = prepared.program
     static = {"program": program, "refresh": refresh}
-    args = (x_BN, prepared.valid_BN, prepared.keys_B, prepared.rows)
+    args = (x_BN, prepared.valid_BN, prepared.keys_B, prepared.rows, prepared.head_DV)
     if program.settings.cache == "prefix":  # the window shape depends on the block: one program per block index
         return programs(_block, {**static, "block": int(block)}, *args)
     return programs(_block, static, *args, np.int32(block) if np.ndim(block) == 0 else block)
@@ -231,7 +233,7 @@ def block_target(model, prepared: Prepared, index: int = 0, refresh: bool = Fals
     static = ("graphdef", "program", "refresh") + (("block",) if program.settings.cache == "prefix" else ())
     compiled = decoding_program(_block, model, prepared.x_BN, static_argnames=static)
     p = prepared
-    return compiled, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, index, program, refresh)
+    return compiled, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.head_DV, index, program, refresh)
 
 
 def run_blocks(model, prepared: Prepared, programs=None) -> Iterator[FinishedBlock]:

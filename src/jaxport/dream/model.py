@@ -121,11 +121,21 @@ class DreamModel(nnx.Module):
             new_cache.append(kv)
         return self.norm(x_BSD), states, new_cache
 
-    def head(self, h_BND: jax.Array) -> jax.Array:
+    def head(self, h_BND: jax.Array, table_DV: jax.Array | None = None) -> jax.Array:
+        """The logits `[B, N, V]`; with `table_DV` (`head_table_DV`'s copy of the weight), read from that layout."""
+        if table_DV is not None:  # the same product and rounding as below, the weight read as [D, V]
+            accumulate = None if self.lm_head is None else jnp.float32
+            logits = jnp.einsum("bnd,dv->bnv", h_BND, table_DV.astype(h_BND.dtype), preferred_element_type=accumulate)
+            return logits.astype(h_BND.dtype)
         if self.lm_head is None:
             table = self.embed_tokens.embedding_weight[...].astype(h_BND.dtype)
             return jnp.einsum("bnd,vd->bnv", h_BND, table)
         return self.lm_head(h_BND)
+
+    def head_table_DV(self) -> jax.Array:
+        """The vocabulary projection's weight written out as `[D, V]` (compiled; `head`'s `table_DV`)."""
+        table_VD = (self.embed_tokens.embedding_weight if self.lm_head is None else self.lm_head.weight)[...]
+        return _transposed(table_VD)
 
     def forward(self, input_ids_BN, attention_mask=None, position_ids_BN=None, *, output_hidden_states=False):
         """Traceable forward. A 2-D `attention_mask` (1 = token, 0 = padding) is expanded as upstream's
@@ -171,6 +181,11 @@ def _jit_forward(graphdef, state, input_ids, attention_mask, position_ids, outpu
     return nnx.merge(graphdef, state).forward(
         input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
     )
+
+
+@jax.jit
+def _transposed(a):
+    return a.T
 
 
 def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:

@@ -95,6 +95,7 @@ class Prepared:
     keys_B: jax.Array
     rows: Rows
     program: Program
+    head_DV: jax.Array | None = None  # the vocabulary projection's weight as [D, V], where the runtime reads it so
 
     @property
     def new_tokens(self) -> int:
@@ -215,7 +216,9 @@ def prepare_generation(
         branches=Branches.needed(rows),
     )
     x, attention_mask, keys, *rows = model.place_batch(x, attention_mask, row_keys(rng, B), *rows)
-    return Prepared(x, attention_mask, keys, Rows(*rows), program)
+    # a block's steps apply the head many times: once per generation, its weight is laid out as they read it fastest
+    head_in_out = program.blockwise and runtime.for_tokens(x, model.dtype).head_in_out
+    return Prepared(x, attention_mask, keys, Rows(*rows), program, model.head_table_DV() if head_in_out else None)
 
 
 def row_keys(rng: jax.Array | None, batch: int) -> jax.Array:

@@ -33,6 +33,9 @@ class Runtime:
     - `row_major_operands`: reduced-precision operands that are transposed before a product are written out
       row-major, and weight gradients take the orientation XLA:CPU runs faster (CPUs: "Operand layouts").
     - `split_rows`: models compute independent rows in `row_chunks` chunks (CPUs: "Row chunks").
+    - `head_in_out`: block-wise decoding reads the vocabulary projection's weight as `[D, V]`, written out once per
+      generation, which XLA:CPU's products with a few rows run faster than `[V, D]` (CPUs: "The vocabulary
+      projection in block-wise decoding").
     - `xla_options`: `jax.jit`'s compiler options as sorted items (`for_program`: "XLA:CPU compiler options").
     """
 
@@ -41,6 +44,7 @@ class Runtime:
     attention: str = "causal_blocks"
     row_major_operands: bool = True
     split_rows: bool = True
+    head_in_out: bool = False
     xla_options: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -89,6 +93,7 @@ def for_devices(devices=None) -> Runtime:
         attention={"cpu": "causal_blocks", "gpu": "cudnn", "tpu": "recompute"}.get(platform, "xla"),
         row_major_operands=platform == "cpu",
         split_rows=platform == "cpu",
+        head_in_out=platform == "cpu",
     )
 
 
