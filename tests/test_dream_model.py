@@ -80,6 +80,12 @@ def test_hidden_states_at_rows_match_the_full_forward(model, expected):
     logits = np.asarray(model.head(jnp.asarray(at_rows)))
     want = np.take_along_axis(expected["logits"], rows[..., None], axis=1)
     np.testing.assert_allclose(logits, want, **tolerance(SHARDED, "logits"))
+    # block-wise decoding on a CPU reads the projection's weight laid out as [D, V]: upstream's logits too
+    table_DV = model.head_table_DV()
+    assert table_DV.shape == (model.config.hidden_size, model.config.vocab_size)
+    np.testing.assert_allclose(
+        np.asarray(model.head(jnp.asarray(at_rows), table_DV)), want, **tolerance(SHARDED, "logits")
+    )
 
 
 def test_unpadded_logits(model, expected):
@@ -203,4 +209,6 @@ def test_tied_word_embeddings(tmp_path, expected):
     logits, states = tied(ids, output_hidden_states=True)
     table = np.asarray(tied.embed_tokens.embedding_weight[...])
     np.testing.assert_allclose(np.asarray(logits), np.asarray(states[-1]) @ table.T, atol=1e-4, rtol=1e-4)
+    from_DV = tied.head(states[-1], tied.head_table_DV())  # the [D, V] copy of block-wise decoding: the embedding's
+    np.testing.assert_allclose(np.asarray(from_DV), np.asarray(logits), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(states[-1])[0], expected["hidden_states"][-1][0], atol=2e-4, rtol=1e-4)

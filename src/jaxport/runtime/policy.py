@@ -44,7 +44,7 @@ class Runtime:
     attention: str = "causal_blocks"
     row_major_operands: bool = True
     split_rows: bool = True
-    head_in_out: bool = False
+    head_in_out: bool = True
     xla_options: tuple[tuple[str, str], ...] = ()
 
     @property
