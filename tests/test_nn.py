@@ -85,6 +85,41 @@ def test_attention_matches_torch_sdpa_with_gqa_and_padding(causal):
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_heads_first", [False, True])
+@pytest.mark.parametrize("mask_kind", ["keys", "queries_and_keys", "per_head"])
+def test_masked_attention_and_its_gradients_match_torch(kv_heads_first, mask_kind):
+    """Non-causal attention with each mask shape, grouped KV heads laid out either way: values and gradients as
+    PyTorch computes the masked softmax, a query row with no allowed key giving zeros."""
+    B, S, H, K, D = 2, 6, 4, 2, 8
+    q, k, v, g = (rng.normal(size=(B, S, n, D)).astype(np.float32) for n in (H, K, K, H))
+    keep = np.ones((B, S), bool)
+    keep[0, :2] = False  # left padding in row 0
+    mask = {
+        "keys": keep,
+        "queries_and_keys": keep[:, :, None] & keep[:, None, :],
+        "per_head": rng.random((B, H, S, S)) < 0.6,
+    }[mask_kind]
+    if mask_kind == "per_head":
+        mask[1, 2, 3] = False  # a query row of one head with no key
+    allowed = np.broadcast_to({2: mask[:, None, None, :], 3: mask[:, None]}.get(mask.ndim, mask), (B, H, S, S))
+    layout = (lambda a: a.transpose(0, 2, 1, 3)) if kv_heads_first else (lambda a: a)
+
+    def attend(q, k, v):
+        return dot_product_attention(q, layout(k), layout(v), mask=jnp.asarray(mask), kv_heads_first=kv_heads_first)
+
+    out, vjp = jax.vjp(attend, *(jnp.asarray(a) for a in (q, k, v)))
+    got = (out, *jax.jit(vjp)(jnp.asarray(g)))
+    tq, tk, tv = (torch.tensor(a).transpose(1, 2).requires_grad_(True) for a in (q, k, v))
+    t_allowed = torch.tensor(np.ascontiguousarray(allowed))
+    scores = (tq @ tk.repeat_interleave(H // K, 1).transpose(-1, -2)) / D**0.5
+    probs = torch.softmax(scores.masked_fill(~t_allowed, torch.finfo(torch.float32).min), -1)
+    want_out = (probs * t_allowed.any(-1, keepdim=True)) @ tv.repeat_interleave(H // K, 1)
+    want = (want_out, *torch.autograd.grad(want_out, (tq, tk, tv), torch.tensor(g).transpose(1, 2)))
+    assert mask_kind == "keys" or not allowed.any(-1).all()  # some query row has no key
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(a), b.transpose(1, 2).detach().numpy(), atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unmasked_attention_and_its_gradients_match_torch_sdpa(dtype):
     """TRM's attention (no mask, no dropout, its own backward pass) against PyTorch's SDPA on the same

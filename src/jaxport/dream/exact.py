@@ -38,6 +38,7 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Pro
     settings, first, mask_id = program.settings, program.first, program.mask_token_id
     B, N = x_BN.shape
     mask, position_ids = padding_inputs(valid_BN, B, N)
+    cos_sin = model.rotary_tables(position_ids)
     ratios = jnp.asarray(transfer_ratios(settings.steps, settings.eps))
     hooks = program.tokens_hook is not None or program.logits_hook is not None
     if program.tokens_hook is not None:
@@ -45,7 +46,7 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Pro
 
     def body(step, carry):
         x_BN, records = carry
-        hidden_at_rows = model.hidden_states_at(x_BN, mask, position_ids)
+        hidden_at_rows = model.hidden_states_at(x_BN, mask, cos_sin=cos_sin)
 
         # Window position j is predicted from the hidden state at canvas position first + j - 1 (0 from itself).
         def hidden_at(index_BW):

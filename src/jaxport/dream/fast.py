@@ -94,6 +94,7 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, 
     start = program.first + block * width  # one canvas position, or one per row
     start_B1 = jnp.reshape(start, (-1, 1))
     mask, position_ids = padding_inputs(valid_BN, B, N)
+    cos_sin = model.rotary_tables(position_ids)
     ratios = jnp.asarray(transfer_ratios(schedule_steps, settings.eps))
     lead = 0 if fastdllm else 1  # the cached windows start this many positions before the block
     # block position j is scored from window row j + lead - 1 (Fast-dLLM: the first from itself)
@@ -102,25 +103,28 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, 
     head = functools.partial(model.head, table_DV=head_DV)
 
     def full_forward(x_BN):
-        """(hidden states predicting the block, the cache) from the whole canvas."""
-        # the last layer's queries and MLP run at the window only: every other row of it is a key and value
-        rows_BW = jnp.broadcast_to(start_B1 - 1 + jnp.arange(width), (B, width))
-        return model.hidden_states_cached(x_BN, mask, position_ids, rows=rows_BW)
+        """(hidden states predicting the block `[B, W, D]`, the cache) from the whole canvas. Fast-dLLM's first step
+        scores the block's first position only: the other rows are zeros, not computed."""
+        # the last layer's queries and MLP run at the rows scored only: every other row of it is a key and value
+        scored = 1 if fastdllm else width
+        rows_BS = jnp.broadcast_to(start_B1 - 1 + jnp.arange(scored), (B, scored))
+        h_BSD, cache = model.hidden_states_cached(x_BN, mask, rows=rows_BS, cos_sin=cos_sin)
+        return jnp.pad(h_BSD, ((0, 0), (0, width - scored), (0, 0))), cache
 
     def cached_forward(x_BN, cache):
         if refresh:
             cache = full_forward(x_BN)[1]
         begin = start - lead
         size = width + lead if cache_kind == "dual" else N - begin  # the block, or the block and the suffix
-        ids_BS, positions_BS = (window_at(a, begin, size) for a in (x_BN, position_ids))
-        h_BSD, _ = model.hidden_states_cached(ids_BS, valid_BN, positions_BS, cache, begin)
+        ids_BS, *cos_sin_BS = (window_at(a, begin, size) for a in (x_BN, *cos_sin))
+        h_BSD, _ = model.hidden_states_cached(ids_BS, valid_BN, None, cache, begin, cos_sin=tuple(cos_sin_BS))
         return h_BSD[:, scoring_rows], cache
 
     def forward(x_BN, cache, step):
         """(`hidden_at`: block positions -> the hidden states that score them, the cache). Without a cache, as the
         exact path: the last layer's queries and MLP run at the positions scored only."""
         if cache_kind is None:
-            hidden_at_rows = model.hidden_states_at(x_BN, mask, position_ids)
+            hidden_at_rows = model.hidden_states_at(x_BN, mask, cos_sin=cos_sin)
             return (lambda index_BW: hidden_at_rows(index_BW + start_B1 - 1)), None
         h_BWD, cache = jax.lax.cond(step == 0, lambda: full_forward(x_BN), lambda: cached_forward(x_BN, cache))
         return functools.partial(take_rows, h_BWD), cache

@@ -72,7 +72,7 @@ class DreamModel(nnx.Module):
         return (h_BND, states[:-1] + [h_BND]) if all_layers else h_BND
 
     def hidden_states_cached(
-        self, input_ids_BS, mask=None, position_ids_BS=None, kv_cache=None, cache_index=0, *, rows=None
+        self, input_ids_BS, mask=None, position_ids_BS=None, kv_cache=None, cache_index=0, *, rows=None, cos_sin=None
     ):
         """`(hidden states [B, S, D], kv_cache)`, where `kv_cache` holds every layer's rotated keys and
         values `([B, K, T, Dh], [B, K, T, Dh])` over the whole canvas, heads first.
@@ -83,35 +83,43 @@ class DreamModel(nnx.Module):
         approximate cache: the other positions keep the states of the canvas they were computed from). `mask`
         then covers the window's queries against all `T` keys (`[B, T]` key padding, or `[B, 1, S, T]`).
         With `rows` (`[B, Q]`, without `kv_cache`), the hidden states of those rows only, `[B, Q, D]`, as
-        `hidden_states_at`: the cache still holds every layer's keys and values at every position.
+        `hidden_states_at`: the cache still holds every layer's keys and values at every position. `cos_sin`: the
+        rotary tables of the positions (`rotary_tables`), in place of `position_ids_BS`.
         """
-        h_BSD, _, kv_cache = self._decode(input_ids_BS, mask, position_ids_BS, kv_cache, cache_index, rows)
+        h_BSD, _, kv_cache = self._decode(input_ids_BS, mask, position_ids_BS, kv_cache, cache_index, rows, cos_sin)
         return h_BSD, kv_cache
 
-    def hidden_states_at(self, input_ids_BN, mask=None, position_ids_BN=None):
+    def hidden_states_at(self, input_ids_BN, mask=None, position_ids_BN=None, *, cos_sin=None):
         """`rows_BQ -> [B, Q, D]`: the final hidden states of `hidden_states(...)` at the rows `rows_BQ`, for a caller
         that needs a few of them (exact decoding scores only its masked positions). Every layer but the last runs
         here, once, on all rows; the last layer's queries, attention output and MLP and the final norm run on the
-        rows asked only, since no other row's output depends on them (its keys and values come from every row)."""
-        x_BND, cos_sin = self._embed(input_ids_BN, position_ids_BN)
+        rows asked only, since no other row's output depends on them (its keys and values come from every row).
+        `cos_sin` as in `hidden_states_cached`."""
+        x_BND, cos_sin = self._embed(input_ids_BN, position_ids_BN, cos_sin)
         *layers, last = self.layers
         for layer in layers:
             x_BND, _ = layer(x_BND, cos_sin, mask)
         return lambda rows_BQ: self.norm(last(x_BND, cos_sin, mask, rows=rows_BQ)[0])
 
-    def _embed(self, input_ids_BS, position_ids_BS):
-        """The token embeddings and the rotary tables of their positions (`0..S-1` without `position_ids_BS`)."""
-        B, S = input_ids_BS.shape
-        if position_ids_BS is None:
-            position_ids_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    def rotary_tables(self, position_ids_BS):
+        """The rotary `(cos, sin)` of these positions, `[B, S, head_dim]` each. A decoding loop makes them once,
+        before it, and passes them in: made in the loop, XLA recomputes them in every layer's fused products."""
         # Upstream computes cos/sin in float32 and casts them to the activation dtype.
         cos, sin = rotary_cos_sin(self.config.head_dim, position_ids_BS, self.config.rope_theta)
-        return self.embed_tokens(input_ids_BS), (cos.astype(self.dtype), sin.astype(self.dtype))
+        return cos.astype(self.dtype), sin.astype(self.dtype)
 
-    def _decode(self, input_ids_BS, mask, position_ids_BS, kv_cache=None, cache_index=0, rows=None):
+    def _embed(self, input_ids_BS, position_ids_BS, cos_sin=None):
+        """The token embeddings and the rotary tables of their positions (`0..S-1` without `position_ids_BS`), or
+        `cos_sin` when given."""
+        B, S = input_ids_BS.shape
+        if cos_sin is None and position_ids_BS is None:
+            position_ids_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        return self.embed_tokens(input_ids_BS), self.rotary_tables(position_ids_BS) if cos_sin is None else cos_sin
+
+    def _decode(self, input_ids_BS, mask, position_ids_BS, kv_cache=None, cache_index=0, rows=None, cos_sin=None):
         """`(final hidden states, every layer's input and output, every layer's keys/values)`; with `rows` the last
         layer's queries, output and MLP run at those rows only."""
-        x_BSD, cos_sin = self._embed(input_ids_BS, position_ids_BS)
+        x_BSD, cos_sin = self._embed(input_ids_BS, position_ids_BS, cos_sin)
         states, new_cache = [x_BSD], []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

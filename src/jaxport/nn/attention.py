@@ -59,7 +59,7 @@ def dot_product_attention(
     in_blocks = causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK
     if implementation == "causal_blocks" and in_blocks:
         return _causal_attention_in_blocks(q_BSHD, k_BTKD, v_BTKD, scale, dropout_rate, dropout_rng)
-    if not causal and mask is None and dropout_rng is None:
+    if not causal and dropout_rng is None:
         attention = functools.partial(_heads_first_attention, scale=scale, kv_heads_first=kv_heads_first)
     else:
         attention = functools.partial(
@@ -83,13 +83,33 @@ def _heads_last(out_BKQD, S: int):
     return out_BKQD.reshape(B, K, Q // S, S, D).transpose(0, 3, 1, 2, 4).reshape(B, S, K * (Q // S), D)
 
 
+def _mask_4d(mask):
+    """`[B, 1|H, 1|S, T]` from a mask of `dot_product_attention`'s shapes."""
+    return {2: lambda m: m[:, None, None, :], 3: lambda m: m[:, None]}.get(mask.ndim, lambda m: m)(mask)
+
+
 def _heads_first_attention(q_BSHD, k, v, mask, dropout_rng, *, scale: float, kv_heads_first: bool):
-    """`_full_attention` on heads-first operands (no mask, no dropout)."""
+    """`_full_attention` on heads-first operands (no dropout), or with a `mask` `_allowed_keys_attention`."""
+    S, H = q_BSHD.shape[1:3]
+    mask = None if mask is None else _mask_4d(mask)
     if kv_heads_first:
-        q_BKQD, k_BKTD, v_BKTD = (_row_major_unless_f32(x) for x in (_queries_by_kv_head(q_BSHD, k.shape[1]), k, v))
-        return _row_major_unless_f32(_heads_last(_full_attention(q_BKQD, k_BKTD, v_BKTD, scale), q_BSHD.shape[1]))
+        K = k.shape[1]
+        q_BKQD, k_BKTD, v_BKTD = (_row_major_unless_f32(x) for x in (_queries_by_kv_head(q_BSHD, K), k, v))
+        if mask is None:
+            out_BKQD = _full_attention(q_BKQD, k_BKTD, v_BKTD, scale)
+        else:  # the mask's rows in the queries' order: KV head, then the query heads it serves, then position
+            B, M, _, T = mask.shape
+            if M == 1:  # one mask for every head: repeated for the G query heads of a KV head
+                grouped = jnp.tile(mask, (1, 1, H // K, 1)) if mask.shape[2] > 1 else mask
+            else:
+                grouped = jnp.broadcast_to(mask, (B, H, S, T)).reshape(B, K, -1, T)
+            out_BKQD = _allowed_keys_attention(q_BKQD, k_BKTD, v_BKTD, grouped, scale)
+        return _row_major_unless_f32(_heads_last(out_BKQD, S))
     heads_first = lambda x: _row_major_unless_f32(x.transpose(0, 2, 1, 3))  # noqa: E731
-    return heads_first(_full_attention(heads_first(q_BSHD), heads_first(k), heads_first(v), scale))
+    q_BHSD, k_BHTD, v_BHTD = heads_first(q_BSHD), heads_first(k), heads_first(v)
+    if mask is None:
+        return heads_first(_full_attention(q_BHSD, k_BHTD, v_BHTD, scale))
+    return heads_first(_allowed_keys_attention(q_BHSD, k_BHTD, v_BHTD, mask, scale))
 
 
 def _masked_attention(
@@ -108,7 +128,7 @@ def _masked_attention(
     if causal:
         allowed = jnp.tril(jnp.ones((S, T), dtype=bool), k=T - S)
     if mask is not None:
-        mask = {2: lambda m: m[:, None, None, :], 3: lambda m: m[:, None]}.get(mask.ndim, lambda m: m)(mask)
+        mask = _mask_4d(mask)
         allowed = mask if allowed is None else allowed & mask
     if allowed is not None:
         scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
@@ -163,11 +183,24 @@ def _row_major_unless_f32(x):
 
 
 def _full_attention_fwd(q_BHSD, k_BHTD, v_BHTD, scale):
-    scores_BHST = _heads_dot(q_BHSD, k_BHTD, 3, 3) * scale
+    out_BHSD, exps_BHST, sums_BHS1 = _softmax_weighted_values(_heads_dot(q_BHSD, k_BHTD, 3, 3) * scale, v_BHTD)
+    return out_BHSD.astype(v_BHTD.dtype), (q_BHSD, k_BHTD, v_BHTD, exps_BHST / sums_BHS1)
+
+
+def _softmax_weighted_values(scores_BHST, v_BHTD):
+    """`(softmax(scores) v in float32, the exponentials, their sums)`: the unnormalised exponentials, rounded to `v`'s
+    dtype, are multiplied with `v` and the result divided by their sums (divisions over `[S, D]`, not `[S, T]`)."""
     exps_BHST = jnp.exp(scores_BHST - jnp.max(scores_BHST, axis=-1, keepdims=True))
     sums_BHS1 = jnp.sum(exps_BHST, axis=-1, keepdims=True)
-    out_BHSD = (_heads_dot(exps_BHST.astype(v_BHTD.dtype), v_BHTD, 3, 2) / sums_BHS1).astype(v_BHTD.dtype)
-    return out_BHSD, (q_BHSD, k_BHTD, v_BHTD, exps_BHST / sums_BHS1)
+    return _heads_dot(exps_BHST.astype(v_BHTD.dtype), v_BHTD, 3, 2) / sums_BHS1, exps_BHST, sums_BHS1
+
+
+def _allowed_keys_attention(q_BHSD, k_BHTD, v_BHTD, allowed, scale: float):
+    """`_full_attention`'s forward formula over the keys `allowed` (boolean, broadcast to the `[B, H, S, T]` scores;
+    differentiated by JAX). A query row with no allowed key gives zeros."""
+    scores_BHST = jnp.where(allowed, _heads_dot(q_BHSD, k_BHTD, 3, 3) * scale, jnp.finfo(jnp.float32).min)
+    out_BHSD = _softmax_weighted_values(scores_BHST, v_BHTD)[0]
+    return jnp.where(jnp.any(allowed, axis=-1, keepdims=True), out_BHSD, 0.0).astype(v_BHTD.dtype)
 
 
 def _heads_dot_over_rows(a_BHSX, b_BHSY):
