@@ -117,7 +117,8 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, 
         begin = start - lead
         size = width + lead if cache_kind == "dual" else N - begin  # the block, or the block and the suffix
         ids_BS, *cos_sin_BS = (window_at(a, begin, size) for a in (x_BN, *cos_sin))
-        h_BSD, _ = model.hidden_states_cached(ids_BS, valid_BN, None, cache, begin, cos_sin=tuple(cos_sin_BS))
+        # every cached step of a block writes the same window, so the cache carries it on (updated in place)
+        h_BSD, cache = model.hidden_states_cached(ids_BS, valid_BN, None, cache, begin, cos_sin=tuple(cos_sin_BS))
         return h_BSD[:, scoring_rows], cache
 
     def forward(x_BN, cache, step):
