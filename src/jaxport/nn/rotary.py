@@ -12,8 +12,8 @@ def rotary_cos_sin(head_dim: int, positions: jax.Array, theta: float = 10000.0):
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    # cos and sin of each frequency once, then duplicated: the same values as of the duplicated angles
+    return tuple(jnp.concatenate([f, f], axis=-1) for f in (jnp.cos(freqs), jnp.sin(freqs)))
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
