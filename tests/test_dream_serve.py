@@ -474,37 +474,6 @@ def _long_prompt(url: str) -> str:
     pytest.fail("every prompt ends early on the fixture model")
 
 
-def test_continuous_batching_starts_a_request_while_a_long_one_runs(continuous_server):
-    url, log_path = continuous_server
-    long_prompt = _long_prompt(url)
-    before = metrics(url)
-    stamps, short, go = [], {"text": []}, threading.Event()
-    short_client = client(url)
-    short_client.models.list()  # its connection is open before the race starts
-
-    def send_short():
-        go.wait()
-        stream = short_client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=16, stream=True)
-        for chunk in stream:
-            if chunk.choices[0].text and "first" not in short:
-                short["first"] = time.monotonic()
-            short["text"].append(chunk.choices[0].text)
-
-    thread = threading.Thread(target=send_short)
-    thread.start()
-    for _ in complete(url, long_prompt, max_tokens=128, stream=True):
-        stamps.append(time.monotonic())
-        go.set()  # the long one's first block is out: the short request joins at a block boundary
-    thread.join()
-    assert short["first"] < stamps[-1], "the short request's first block came after the long one ended"
-    assert "".join(short["text"]) == complete(url, PROMPTS[3]).choices[0].text
-    after = metrics(url)
-    assert after["compilations"] == before["compilations"] and after["errors"] == 0
-    assert (
-        "at start-up: running batch 4, prompt 64 + 128 new tokens, alg entropy, block_length 4" in log_path.read_text()
-    )
-
-
 def test_continuous_batching_frees_a_gone_clients_row_at_the_next_boundary(continuous_server):
     url, _ = continuous_server
     long_prompt = _long_prompt(url)
@@ -522,26 +491,83 @@ def test_continuous_batching_frees_a_gone_clients_row_at_the_next_boundary(conti
 
 
 def _in_process_server(**settings):
-    """A `DreamServer` on the fixture model (2 rows, a delay factor of 100) with its programs compiled, and
-    `submit(prompt, max_tokens)`, which queues a request and returns an event set when it ends: the scheduler
+    """A `DreamServer` on the fixture model (2 rows, a delay factor of 100 unless `settings` say otherwise) with its
+    programs compiled, and `submit(prompt, max_tokens, told=None)`, which queues a request and returns an event set
+    when it ends; `told(kind, payload)` hears every post of the request, on the scheduler's thread. The scheduler
     itself, with no network between a reply and the next request."""
     from jaxport.dream.serve import COMPLETION, CompletionRequest, DreamServer, ServeSettings
 
     model, tokenizer = dream.load(MODEL, dtype="float32")
     serve_settings = ServeSettings(
-        model_name=NAME, max_batch=2, max_queue=4, prompt_buckets=(64,), schedule_delay_factor=100.0, **settings
+        **{"model_name": NAME, "max_batch": 2, "max_queue": 4, "prompt_buckets": (64,), "schedule_delay_factor": 100.0}
+        | settings
     )
     server = DreamServer(model, tokenizer, serve_settings)
     server.scheduler.warmup(serve_settings.warmup_keys())
 
-    def submit(prompt: str, max_tokens: int) -> threading.Event:
+    def submit(prompt: str, max_tokens: int, told=None) -> threading.Event:
         ended = threading.Event()
+
+        def post(kind, payload):
+            if told is not None:
+                told(kind, payload)
+            if kind != "delta":
+                ended.set()
+
         body = CompletionRequest(model=NAME, prompt=prompt, max_tokens=max_tokens)
-        job = server.job(body, [prompt], "prompt", COMPLETION, lambda kind, _: kind != "delta" and ended.set())
-        server.scheduler.submit(job)
+        server.scheduler.submit(server.job(body, [prompt], "prompt", COMPLETION, post))
         return ended
 
     return server, submit
+
+
+def test_continuous_batching_starts_a_request_while_a_long_one_runs(capsys):
+    """A request that arrives while a long one runs gets its first block before the long one ends, with no
+    compilation. The short request is submitted when the long one's first block is out, from the scheduler's own
+    thread (before the next block boundary), and the order of the posts is read, not the clock."""
+    server, submit = _in_process_server(
+        max_tokens_buckets=(16, 128), batching="continuous", fast=(("block_length", 4), ("cache", "dual"))
+    )
+    assert "at start-up: running batch 2, prompt 64 + 128 new tokens, alg entropy, block_length 4" in (
+        capsys.readouterr().err
+    )
+    server.scheduler.start()
+    before = server.scheduler.metrics()["compilations"]
+
+    def reply(prompt: str, max_tokens: int) -> tuple[str, int]:
+        """The request's text alone, and how many tokens it generated."""
+        posts, tokens = [], server.scheduler.metrics()["generated_tokens"]
+        submit(prompt, max_tokens, lambda kind, payload: posts.append((kind, payload))).wait()
+        assert posts[-1] == ("done", None), posts[-1]
+        text = "".join(payload[1] for kind, payload in posts if kind == "delta")
+        return text, server.scheduler.metrics()["generated_tokens"] - tokens
+
+    # a prompt whose 128 tokens hold no end-of-text, so its row runs all 32 blocks
+    long_prompt = next((p for p in PROMPTS if reply(p, 128)[1] == 128), None)
+    assert long_prompt is not None, "every prompt ends early on the fixture model"
+    alone = reply(PROMPTS[3], 16)[0]
+    assert alone, "the short prompt's reply is empty: it has no first block to stream"
+
+    order, short_text = [], []
+
+    def short_told(kind, payload):
+        order.append(("short", kind))
+        if kind == "delta":
+            short_text.append(payload[1])
+
+    def long_told(kind, payload):
+        if kind == "delta" and ("long", "delta") not in order:
+            submit(PROMPTS[3], 16, short_told)  # the long one's first block is out: the short one joins next
+        order.append(("long", kind))
+
+    submit(long_prompt, 128, long_told).wait()
+    server.scheduler.stop()
+    assert order.index(("short", "delta")) < order.index(("long", "done")), (
+        "the short request's first block came after the long one ended"
+    )
+    assert "".join(short_text) == alone
+    stats = server.scheduler.metrics()
+    assert stats["compilations"] == before and stats["errors"] == 0
 
 
 def test_a_static_batch_waits_for_requests_that_fill_it():
