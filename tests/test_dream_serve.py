@@ -265,6 +265,21 @@ def test_bad_requests_get_openai_errors(server, options, status, param, message)
     assert error.body["message"].startswith(param) and error.body["type"]
 
 
+def test_a_prompt_past_the_largest_bucket_is_refused_without_compiling(server):
+    """A prompt longer than the largest --prompt-buckets value but within --max-context gets a 400 naming its length
+    and the largest bucket: with --compile-on-demand 0 nothing compiles after start-up, whatever the request."""
+    url, _ = server
+    before = metrics(url)
+    prompt = "def add(a, b):\n    return a + b\n" * 7  # 84 tokens: past the bucket of 64, within 128 - 16
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(url, prompt)
+    message = caught.value.body["message"]
+    assert caught.value.body["param"] == "prompt" and caught.value.body["code"] == "context_length_exceeded"
+    assert re.search(r"the prompt has 8\d tokens;.* the largest prompt bucket is 64 \(--prompt-buckets 64\)", message)
+    after = metrics(url)
+    assert after["compilations"] == before["compilations"] and after["compiled_programs"] == before["compiled_programs"]
+
+
 def test_malformed_json_and_unknown_route(server):
     url, _ = server
     response = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a " * (1 << 20)})

@@ -418,7 +418,7 @@ class DreamServer:
             ).check(new_tokens)
         except JaxportError as err:
             raise _generation_error(err) from None
-        key = BatchKey(min(bucket(longest, list(s.prompt_buckets)) or room, room), new_tokens, checked.program)
+        key = BatchKey(self._prompt_bucket(longest, new_tokens, prompt_field), new_tokens, checked.program)
         given = {name for name in ("steps", "alg", *BLOCKWISE) if getattr(body, name) is not None}
         if (error := s.outside(key, given)) is not None:
             raise error
@@ -443,6 +443,28 @@ class DreamServer:
             row=checked.row,
             seed=body.seed,
             prompt_tokens=sum(map(len, encoded)),
+        )
+
+    def _prompt_bucket(self, longest: int, new_tokens: int, prompt_field: str) -> int:
+        """The prompt bucket a prompt of `longest` tokens runs in with `new_tokens` new tokens. Past the largest
+        bucket that fits the context, the request is refused unless `--compile-on-demand` lets the server compile
+        a program for it (then its prompt length is the room the context leaves): nothing else compiles after
+        start-up."""
+        s = self.settings
+        room = s.max_context - new_tokens
+        usable = [b for b in s.prompt_buckets if b <= room]
+        prompt_len = bucket(longest, usable)
+        if prompt_len is not None:
+            return prompt_len
+        if s.compile_on_demand:
+            return room
+        largest = f"the largest prompt bucket is {usable[-1]}" if usable else "no prompt bucket fits"
+        raise _invalid(
+            prompt_field,
+            f"the prompt has {longest} tokens; with {new_tokens} new tokens and --max-context {s.max_context}, "
+            f"{largest} (--prompt-buckets {','.join(map(str, s.prompt_buckets))}); start the server with a larger "
+            "--prompt-buckets value, or --compile-on-demand to compile such prompts' programs on first use",
+            "context_length_exceeded",
         )
 
     def _fast(self, body: GenerationRequest) -> dict:
