@@ -2,9 +2,7 @@
 time of a first call less a later call's is no measure of it where the machine's speed drifts), and the `jaxport`
 command's on-disk cache of compiled programs. The XLA options programs compile with are `jaxport.runtime`'s."""
 
-import functools
 import os
-import warnings
 from pathlib import Path
 
 import jax
@@ -59,33 +57,3 @@ def keep_compiled_programs() -> Path | None:
         jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     return folder
 
-
-# -- deprecated: the XLA options moved to jaxport.runtime -----------------------------------------------------------
-
-
-def __getattr__(name: str):
-    from jaxport.runtime import policy
-
-    if name in ("LARGE_MATMUL_ROWS", "YNN_FUSION_TYPES", "INDIVIDUAL_DOTS", "PLAIN_REDUCTIONS"):
-        return getattr(policy, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def compiler_options(rows: int, dtype, platform: str, *, plain_reductions: bool = True) -> dict | None:
-    """Deprecated: `jaxport.runtime.for_devices(devices).for_program(dtype, rows).compiler_options`."""
-    from jaxport.runtime import policy
-
-    warnings.warn("compile_time.compiler_options moved to jaxport.runtime", DeprecationWarning, stacklevel=2)
-    return dict(policy._xla_options(platform, dtype, rows, not plain_reductions)) or None
-
-
-def jit_with_options(function, options: dict | None, **jit_kwargs):
-    """Deprecated: `jaxport.runtime.jit(function, runtime, **jit_kwargs)`."""
-    warnings.warn("compile_time.jit_with_options moved to jaxport.runtime.jit", DeprecationWarning, stacklevel=2)
-    frozen = tuple(sorted(options.items())) if options else None
-    return _jit_with_options(function, frozen, tuple(sorted(jit_kwargs.items())))
-
-
-@functools.cache
-def _jit_with_options(function, options, jit_kwargs):
-    return jax.jit(function, compiler_options=dict(options) if options else None, **dict(jit_kwargs))
