@@ -1,35 +1,14 @@
-"""Compilation: the seconds JAX spends tracing, lowering and compiling (from jax.monitoring's compile events: the
-time of a first call less a later call's is no measure of it where the machine's speed drifts), and the `jaxport`
-command's on-disk cache of compiled programs. The XLA options programs compile with are `jaxport.runtime`'s."""
+"""The `jaxport` command's on-disk cache of compiled programs (JAX's persistent compilation cache): running a
+command again with the same model shapes and options loads its compiled steps instead of compiling them."""
 
 import os
 from pathlib import Path
 
 import jax
-from jax import monitoring
 
 # programs that compile faster than this are not worth a file (docs/performance.md, "Compiled programs kept")
 CACHE_MIN_COMPILE_SECONDS = 0.2
 CACHE_MAX_BYTES = 2 << 30  # the least recently used programs go beyond this
-
-_seconds = [0.0]  # compilation in this process since `with_compile_seconds` first listened
-_listening = []
-
-
-def _count(event: str, seconds: float, **_) -> None:
-    if event.startswith("/jax/core/compile/"):
-        _seconds[0] += seconds
-
-
-def with_compile_seconds(call):
-    """`(call(), seconds JAX spent compiling during it)`. The first call registers a jax.monitoring listener for
-    the rest of the process."""
-    if not _listening:
-        monitoring.register_event_duration_secs_listener(_count)
-        _listening.append(_count)
-    before = _seconds[0]
-    result = call()
-    return result, _seconds[0] - before
 
 
 def default_cache_dir() -> Path:
@@ -56,4 +35,3 @@ def keep_compiled_programs() -> Path | None:
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
         jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     return folder
-
