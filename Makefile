@@ -20,6 +20,7 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python bench/trm_step.py

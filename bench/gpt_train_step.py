@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from _common import compiled_flops, emit, environment, peak_flops, peak_rss_bytes, utilisation
 
-from jaxport.compile_time import with_compile_seconds
 from jaxport.gpt import train as gpt_train
 from jaxport.gpt.model import estimate_mfu
 from jaxport.runtime import host_memory
+from jaxport.runtime.compile_seconds import with_compile_seconds
 
 host_memory.tune_process(training=True)  # as `jaxport gpt train` does
 

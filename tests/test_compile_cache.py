@@ -79,7 +79,7 @@ def test_a_cache_folder_named_by_jax_s_setting_keeps_the_smaller_programs_too(tm
     (JAX's own 1 s threshold left out e.g. the README run's evaluation, which then compiled again every run)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     probe = (
-        "import jax; from jaxport.compile_time import keep_compiled_programs, CACHE_MIN_COMPILE_SECONDS as m; "
+        "import jax; from jaxport.runtime.compile_cache import keep_compiled_programs, CACHE_MIN_COMPILE_SECONDS as m; "
         "folder = keep_compiled_programs(); "
         "print(folder, jax.config.jax_persistent_cache_min_compile_time_secs == m, "
         "jax.config.jax_compilation_cache_dir)"

@@ -262,30 +262,6 @@ def test_text_in_text_out(loaded):
         dream.generate(model, tokenizer, [], max_new_tokens=16)
 
 
-ALIAS_SCRIPT = r"""
-import sys, warnings
-from jaxport import dream
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import jaxport.dream.generate as old
-assert any(issubclass(w.category, DeprecationWarning) for w in caught), caught
-assert old.diffusion_generate is dream.diffusion_generate and dream.generate is old
-model, tokenizer = dream.load(sys.argv[1])
-print(dream.generate(model, tokenizer, "def add(a, b):", max_new_tokens=4, steps=2, alg="entropy") ==
-      dream.text.generate(model, tokenizer, "def add(a, b):", max_new_tokens=4, steps=2, alg="entropy"))
-"""
-
-
-def test_the_old_generate_module_is_a_deprecated_alias():
-    """`jaxport.dream.generate` (the module, split into decoding/program/sampling/settings) warns on import and,
-    while the alias lives, rebinds `dream.generate` to a module that still answers as the text API."""
-    result = subprocess.run(
-        [sys.executable, "-c", ALIAS_SCRIPT, str(CASE / "model")], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "True"
-
-
 def test_cli_fast_flags(capsys):
     args = [
         "dream",

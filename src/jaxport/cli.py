@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxport.runtime import host_memory
 
     host_memory.tune_process(training=(family, rest[0] if rest else None) in TRAINING_ACTIONS)
-    from jaxport.compile_time import keep_compiled_programs
+    from jaxport.runtime.compile_cache import keep_compiled_programs
 
     keep_compiled_programs()
     # orbax reports (even its failed background saves) through absl's logger; jaxport says what matters in

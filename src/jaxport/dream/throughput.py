@@ -10,8 +10,8 @@ import flax
 import jax
 import numpy as np
 
-from jaxport.compile_time import with_compile_seconds
 from jaxport.dream.model import DreamModel
+from jaxport.runtime.compile_seconds import with_compile_seconds
 
 
 def environment() -> dict:

@@ -175,9 +175,6 @@ class TrainSettings(pydantic.BaseModel):
         return self.model_dump()
 
 
-FlagRanges = TrainSettings  # deprecated alias, kept for one release
-
-
 def train_settings(cfg) -> TrainSettings:
     """`cfg` (a dict of flags, or settings already) as `TrainSettings`, or one error naming the flag, its value and
     what is expected."""

@@ -1,7 +1,8 @@
 """Hardware policy in one place: how a compiled program runs on its devices (XLA options, operand layouts, the
 attention kernel, row chunks, host memory), decided from the devices, compute dtype and size of the program and
 applied where each program is jitted. Models and layers describe the math; they read the decisions from
-`current()` while a program is traced."""
+`current()` while a program is traced. Beside the policy: the process's compiled programs (`compile_cache`: kept on
+disk for the next run; `compile_seconds`: the time spent compiling them) and `compile_for` (`--compile-for SLICE`)."""
 
 from jaxport.runtime import host_memory
 from jaxport.runtime.policy import (
