@@ -519,13 +519,8 @@ def _add_train(actions):
     tok.set_defaults(run=tokenizer)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["eval"]:  # lm-eval parses its own arguments
-        return evaluate(argv[1:])
-    parser = argparse.ArgumentParser(prog="jaxport dream", description="Dream / DiffuCoder masked-diffusion LMs")
-    actions = parser.add_subparsers(dest="action", required=True)
-
+def _add_generate(actions):
+    """`jaxport dream generate`'s flags."""
     gen = actions.add_parser("generate", help="generate text from prompts")
     gen.add_argument("--model", required=True, help="Hugging Face Dream/DiffuCoder directory")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -544,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_compile_for(gen, "the generation program of a full --batch-size batch")
     gen.set_defaults(run=generate)
 
+
+def _add_bench(actions):
+    """`jaxport dream bench`'s flags."""
     ben = actions.add_parser("bench", help="forward and generation throughput, printed as JSON")
     ben.add_argument("--model", default=None, help="Hugging Face Dream directory")
     ben.add_argument("--random-init", default=None, help="random weights of a named size: 7b, 40m, tiny")
@@ -553,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--repeats", type=int, default=3)
     ben.set_defaults(run=bench, max_new_tokens=64, dtype="float32")
 
+
+def _add_serve(actions):
+    """`jaxport dream serve`'s flags."""
     srv = actions.add_parser("serve", help="an OpenAI-compatible HTTP server that batches concurrent requests")
     srv.add_argument("--model", required=True, help="Hugging Face Dream/DiffuCoder directory")
     srv.add_argument(
@@ -626,6 +627,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_compile_for(srv, "the programs the server compiles at start-up")
     srv.set_defaults(run=serve)
 
+
+def _parser() -> argparse.ArgumentParser:
+    """`jaxport dream`'s command line: every action's flags (`eval` passes its own to lm-eval)."""
+    parser = argparse.ArgumentParser(prog="jaxport dream", description="Dream / DiffuCoder masked-diffusion LMs")
+    actions = parser.add_subparsers(dest="action", required=True)
+    _add_generate(actions)
+    _add_bench(actions)
+    _add_serve(actions)
     _add_train(actions)
     actions.add_parser(
         "eval",
@@ -633,8 +642,14 @@ def main(argv: list[str] | None = None) -> int:
         help="score on lm-evaluation-harness tasks: lm-eval's own arguments (--model_args pretrained=DIR,... "
         "--tasks ...), with the jaxport-dream model",
     )
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # lm-eval parses its own arguments
+        return evaluate(argv[1:])
+    args = _parser().parse_args(argv)
     if getattr(args, "batch_size", 1) < 1:
         raise JaxportError(f"--batch-size must be at least 1, got {args.batch_size}")
     return args.run(args)

@@ -80,115 +80,141 @@ class FinishedBlock:
         return self.output.sequences[:, self.start : self.end]
 
 
-def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, program: Program, refresh: bool):
-    """Run the steps of block `block` on the canvas: `(canvas, records, steps run)`. `block` is one index for the
-    batch (static for the prefix cache, traced otherwise) or one per row (`[B]`: the rows of a continuous batch,
-    each at its own block; not with the prefix cache, whose window shape depends on the block). `refresh` (for
-    tests) rebuilds the cache from the current canvas before every cached step. `head_DV`: the vocabulary projection's
-    weight as `[D, V]` (`Prepared.head_DV`), or None."""
-    model = merged(graphdef, state)
-    settings, mask_id = program.settings, program.mask_token_id
-    B, N = x_BN.shape
-    width, cache_kind, fastdllm = settings.block_length, settings.cache, settings.schedule == "fastdllm"
-    steps, schedule_steps = program.block_steps(N - program.first), program.steps_per_block(N - program.first)
-    start = program.first + block * width  # one canvas position, or one per row
-    start_B1 = jnp.reshape(start, (-1, 1))
-    mask, position_ids = padding_inputs(valid_BN, B, N)
-    cos_sin = model.rotary_tables(position_ids)
-    ratios = jnp.asarray(transfer_ratios(schedule_steps, settings.eps))
-    lead = 0 if fastdllm else 1  # the cached windows start this many positions before the block
-    # block position j is scored from window row j + lead - 1 (Fast-dLLM: the first from itself)
-    scoring_rows = np.maximum(np.arange(width) + lead - 1, 0)
-    with_threshold_B1 = jnp.isfinite(rows.threshold)[:, None]
-    head = functools.partial(model.head, table_DV=head_DV)
+class _BlockLoop:
+    """The parts of one block's step loop (`_block`), built while it is traced: what every step reads (the block's
+    place, the canvas's attention inputs, the schedule), the forward passes that give the hidden states scoring the
+    block (the whole canvas, or the window over the cache), the unmask rules, and the commit of a step to the
+    canvas."""
 
-    def full_forward(x_BN):
+    def __init__(self, model, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, program: Program, refresh: bool):
+        settings = program.settings
+        self.model, self.valid_BN, self.keys_B, self.rows, self.block = model, valid_BN, keys_B, rows, block
+        self.program, self.refresh, self.settings, self.mask_id = program, refresh, settings, program.mask_token_id
+        self.B, self.N = B, N = x_BN.shape
+        self.width, self.cache_kind = settings.block_length, settings.cache
+        self.fastdllm = settings.schedule == "fastdllm"
+        self.steps = program.block_steps(N - program.first)
+        self.schedule_steps = program.steps_per_block(N - program.first)
+        self.start = program.first + block * self.width  # one canvas position, or one per row
+        self.start_B1 = jnp.reshape(self.start, (-1, 1))
+        self.mask, position_ids = padding_inputs(valid_BN, B, N)
+        self.cos_sin = model.rotary_tables(position_ids)
+        self.ratios = jnp.asarray(transfer_ratios(self.schedule_steps, settings.eps))
+        self.lead = 0 if self.fastdllm else 1  # the cached windows start this many positions before the block
+        # block position j is scored from window row j + lead - 1 (Fast-dLLM: the first from itself)
+        self.scoring_rows = np.maximum(np.arange(self.width) + self.lead - 1, 0)
+        self.with_threshold_B1 = jnp.isfinite(rows.threshold)[:, None]
+        self.head = functools.partial(model.head, table_DV=head_DV)
+
+    def full_forward(self, x_BN):
         """(hidden states predicting the block `[B, W, D]`, the cache) from the whole canvas. Fast-dLLM's first step
         scores the block's first position only: the other rows are zeros, not computed."""
         # the last layer's queries and MLP run at the rows scored only: every other row of it is a key and value
-        scored = 1 if fastdllm else width
-        rows_BS = jnp.broadcast_to(start_B1 - 1 + jnp.arange(scored), (B, scored))
-        h_BSD, cache = model.hidden_states_cached(x_BN, mask, rows=rows_BS, cos_sin=cos_sin)
-        return jnp.pad(h_BSD, ((0, 0), (0, width - scored), (0, 0))), cache
+        scored = 1 if self.fastdllm else self.width
+        rows_BS = jnp.broadcast_to(self.start_B1 - 1 + jnp.arange(scored), (self.B, scored))
+        h_BSD, cache = self.model.hidden_states_cached(x_BN, self.mask, rows=rows_BS, cos_sin=self.cos_sin)
+        return jnp.pad(h_BSD, ((0, 0), (0, self.width - scored), (0, 0))), cache
 
-    def cached_forward(x_BN, cache):
-        if refresh:
-            cache = full_forward(x_BN)[1]
-        begin = start - lead
-        size = width + lead if cache_kind == "dual" else N - begin  # the block, or the block and the suffix
-        ids_BS, *cos_sin_BS = (window_at(a, begin, size) for a in (x_BN, *cos_sin))
+    def empty_cache(self, x_BN):
+        """Zeros in the shape of the cache the whole-canvas forward keeps (the loop's initial carry)."""
+        shapes = jax.eval_shape(lambda x: self.full_forward(x)[1], x_BN)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def cached_forward(self, x_BN, cache):
+        """(hidden states predicting the block `[B, W, D]`, the cache) from the window alone, over the kept cache."""
+        if self.refresh:
+            cache = self.full_forward(x_BN)[1]
+        begin = self.start - self.lead
+        # the block, or the block and the suffix
+        size = self.width + self.lead if self.cache_kind == "dual" else self.N - begin
+        ids_BS, *cos_sin_BS = (window_at(a, begin, size) for a in (x_BN, *self.cos_sin))
         # every cached step of a block writes the same window, so the cache carries it on (updated in place)
-        h_BSD, cache = model.hidden_states_cached(ids_BS, valid_BN, None, cache, begin, cos_sin=tuple(cos_sin_BS))
-        return h_BSD[:, scoring_rows], cache
+        h_BSD, cache = self.model.hidden_states_cached(
+            ids_BS, self.valid_BN, None, cache, begin, cos_sin=tuple(cos_sin_BS)
+        )
+        return h_BSD[:, self.scoring_rows], cache
 
-    def forward(x_BN, cache, step):
+    def forward(self, x_BN, cache, step):
         """(`hidden_at`: block positions -> the hidden states that score them, the cache). Without a cache, as the
         exact path: the last layer's queries and MLP run at the positions scored only."""
-        if cache_kind is None:
-            hidden_at_rows = model.hidden_states_at(x_BN, mask, cos_sin=cos_sin)
-            return (lambda index_BW: hidden_at_rows(index_BW + start_B1 - 1)), None
-        h_BWD, cache = jax.lax.cond(step == 0, lambda: full_forward(x_BN), lambda: cached_forward(x_BN, cache))
+        if self.cache_kind is None:
+            hidden_at_rows = self.model.hidden_states_at(x_BN, self.mask, cos_sin=self.cos_sin)
+            return (lambda index_BW: hidden_at_rows(index_BW + self.start_B1 - 1)), None
+        h_BWD, cache = jax.lax.cond(
+            step == 0, lambda: self.full_forward(x_BN), lambda: self.cached_forward(x_BN, cache)
+        )
         return functools.partial(take_rows, h_BWD), cache
 
-    def in_block(a_BN):
-        return window_at(a_BN, start, width)
+    def in_block(self, a_BN):
+        return window_at(a_BN, self.start, self.width)
 
-    def on_canvas(values_BW, fill):
-        return write_at(jnp.full((B, N), fill, values_BW.dtype), values_BW, start)
+    def on_canvas(self, values_BW, fill):
+        return write_at(jnp.full((self.B, self.N), fill, values_BW.dtype), values_BW, self.start)
 
-    def transfer_count(is_mask_BW, step, active_B1):
+    def transfer_count(self, is_mask_BW, step, active_B1):
         """How many of each row's masks the ranking unmasks at this step, `[B, 1]`."""
         masks_B1 = jnp.sum(is_mask_BW, axis=-1, keepdims=True).astype(jnp.float32)
-        ratio = ratios[jnp.minimum(step, schedule_steps - 1)]
-        if fastdllm:
+        ratio = self.ratios[jnp.minimum(step, self.schedule_steps - 1)]
+        if self.fastdllm:
             # Fast-dLLM's threshold rule alone decides for a row with a threshold; the others share one count, the
             # schedule's share of their average number of masks in the block (rows with a block to decode)
-            sharing = active_B1 & ~with_threshold_B1
+            sharing = active_B1 & ~self.with_threshold_B1
             average = jnp.sum(jnp.where(sharing, masks_B1, 0)) / jnp.maximum(jnp.sum(sharing), 1).astype(jnp.float32)
-            return jnp.where(with_threshold_B1, 0, jnp.floor(average * ratio).astype(jnp.int32))
+            return jnp.where(self.with_threshold_B1, 0, jnp.floor(average * ratio).astype(jnp.int32))
         return jnp.floor(masks_B1 * ratio).astype(jnp.int32)
 
-    def unmask_ranked(window_BW, hidden_at, step, sample_keys, select_keys, active_B1):
-        is_mask = window_BW == mask_id
-        scores = masked_scores(head, hidden_at, is_mask, sample_keys, settings.alg, rows, program.branches)
-        n = transfer_count(is_mask, step, active_B1)
-        p_transfer = ratios[jnp.minimum(step, schedule_steps - 1)]
-        return unmask(window_BW, scores, select_keys, n, p_transfer, alg=settings.alg, rows=rows, mask_token_id=mask_id)
-
-    def fix_first_position(window_BW, hidden_at, sample_keys):
-        """Fast-dLLM's first step of a block: the candidate at the block's first position, written there."""
-        first_BS = jnp.zeros((B, 1), jnp.int32)
-        scores = Scores(
-            *(
-                a[:, 0]
-                for a in sample_tokens(
-                    head(hidden_at(first_BS)), sample_keys, first_BS, settings.alg, rows, program.branches
-                )
-            )
+    def unmask_ranked(self, window_BW, hidden_at, step, sample_keys, select_keys, active_B1):
+        """The schedule's step on the block: its best-ranked masks (and those over the threshold) unmasked."""
+        settings, rows = self.settings, self.rows
+        is_mask = window_BW == self.mask_id
+        scores = masked_scores(self.head, hidden_at, is_mask, sample_keys, settings.alg, rows, self.program.branches)
+        n = self.transfer_count(is_mask, step, active_B1)
+        p_transfer = self.ratios[jnp.minimum(step, self.schedule_steps - 1)]
+        return unmask(
+            window_BW, scores, select_keys, n, p_transfer, alg=settings.alg, rows=rows, mask_token_id=self.mask_id
         )
-        was_mask = window_BW[:, 0] == mask_id
+
+    def fix_first_position(self, window_BW, hidden_at, sample_keys):
+        """Fast-dLLM's first step of a block: the candidate at the block's first position, written there."""
+        first_BS = jnp.zeros((self.B, 1), jnp.int32)
+        candidates = sample_tokens(
+            self.head(hidden_at(first_BS)), sample_keys, first_BS, self.settings.alg, self.rows, self.program.branches
+        )
+        scores = Scores(*(a[:, 0] for a in candidates))
+        was_mask = window_BW[:, 0] == self.mask_id
         window_BW = window_BW.at[:, 0].set(jnp.where(was_mask, scores.x0, window_BW[:, 0]))
-        first_only = jnp.arange(width) == 0
+        first_only = jnp.arange(self.width) == 0
         confidence = jnp.where(first_only & was_mask[:, None], scores.confidence[:, None], -jnp.inf)
         x0 = jnp.where(first_only & was_mask[:, None], scores.x0[:, None], -1)
         return window_BW, confidence.astype(scores.confidence.dtype), x0, was_mask.astype(jnp.int32)
 
-    def body(carry):
+    def running(self, carry):
+        """The loop's condition: steps left, and a mask in some row's block."""
+        return (carry[0] < self.steps) & jnp.any(self.in_block(carry[1]) == self.mask_id)
+
+    def body(self, carry):
+        """One denoising step of the block: score it, unmask, commit the window to the canvas."""
         step, x_BN, cache, records, active_B1 = carry
-        sample_keys, select_keys = step_keys(keys_B, block * steps + step)
-        hidden_at, cache = forward(x_BN, cache, step)
-        window = in_block(x_BN)
-        if fastdllm:
+        sample_keys, select_keys = step_keys(self.keys_B, self.block * self.steps + step)
+        hidden_at, cache = self.forward(x_BN, cache, step)
+        window = self.in_block(x_BN)
+        if self.fastdllm:
             window, confidence, x0, n_transfer = jax.lax.cond(
                 step == 0,
-                lambda: fix_first_position(window, hidden_at, sample_keys),
-                lambda: unmask_ranked(window, hidden_at, step, sample_keys, select_keys, active_B1),
+                lambda: self.fix_first_position(window, hidden_at, sample_keys),
+                lambda: self.unmask_ranked(window, hidden_at, step, sample_keys, select_keys, active_B1),
             )
         else:
-            window, confidence, x0, n_transfer = unmask_ranked(
+            window, confidence, x0, n_transfer = self.unmask_ranked(
                 window, hidden_at, step, sample_keys, select_keys, active_B1
             )
-        x_BN = write_at(x_BN, window, start)
+        x_BN, records = self.commit(step, x_BN, window, records, confidence, x0, n_transfer)
+        return step + 1, x_BN, cache, records, active_B1
+
+    def commit(self, step, x_BN, window_BW, records, confidence_BW, x0_BW, n_transfer):
+        """The step's window written to the canvas, the tokens hook and progress called, the step recorded."""
+        program, block, steps = self.program, self.block, self.steps
+        x_BN = write_at(x_BN, window_BW, self.start)
         if program.tokens_hook is not None:
             x_BN = program.tokens_hook(block * steps + step, x_BN, None)
         if program.progress is not None:
@@ -197,26 +223,29 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, 
             records,
             step,
             history=x_BN,
-            confidence=on_canvas(confidence, -jnp.inf),
-            x0=on_canvas(x0, -1),
+            confidence=self.on_canvas(confidence_BW, -jnp.inf),
+            x0=self.on_canvas(x0_BW, -1),
             n_transfer=n_transfer,
         )
-        return step + 1, x_BN, cache, records, active_B1
+        return x_BN, records
 
+
+def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, program: Program, refresh: bool):
+    """Run the steps of block `block` on the canvas: `(canvas, records, steps run)`. `block` is one index for the
+    batch (static for the prefix cache, traced otherwise) or one per row (`[B]`: the rows of a continuous batch,
+    each at its own block; not with the prefix cache, whose window shape depends on the block). `refresh` (for
+    tests) rebuilds the cache from the current canvas before every cached step. `head_DV`: the vocabulary projection's
+    weight as `[D, V]` (`Prepared.head_DV`), or None."""
+    model = merged(graphdef, state)
+    loop = _BlockLoop(model, x_BN, valid_BN, keys_B, rows, head_DV, block, program, refresh)
     if program.tokens_hook is not None:
         x_BN = jax.lax.cond(block == 0, lambda x: program.tokens_hook(None, x, None), lambda x: x, x_BN)
-    cache = None
-    if cache_kind is not None:
-        cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda x: full_forward(x)[1], x_BN))
-    records = program.empty_records(steps, B, N, model.dtype)
-    active_B1 = jnp.any(in_block(x_BN) == mask_id, axis=-1, keepdims=True)
-    done, x_BN, _, records, _ = jax.lax.while_loop(
-        lambda carry: (carry[0] < steps) & jnp.any(in_block(carry[1]) == mask_id),
-        body,
-        (0, x_BN, cache, records, active_B1),
-    )
+    cache = None if loop.cache_kind is None else loop.empty_cache(x_BN)
+    records = program.empty_records(loop.steps, loop.B, loop.N, model.dtype)
+    active_B1 = jnp.any(loop.in_block(x_BN) == loop.mask_id, axis=-1, keepdims=True)
+    done, x_BN, _, records, _ = jax.lax.while_loop(loop.running, loop.body, (0, x_BN, cache, records, active_B1))
     if program.output_history:  # the steps a block did not need leave the canvas as it is
-        records["history"] = jnp.where((jnp.arange(steps) < done)[:, None, None], records["history"], x_BN)
+        records["history"] = jnp.where((jnp.arange(loop.steps) < done)[:, None, None], records["history"], x_BN)
     return x_BN, records, done
 
 

@@ -121,30 +121,9 @@ def _check(name: str, ok: bool, message: str):
         raise JaxportError(f"{name}: {message}")
 
 
-def prepare_generation(
-    model,
-    input_ids,
-    attention_mask=None,
-    *,
-    max_length: int | None = None,
-    max_new_tokens: int | None = None,
-    rng: jax.Array | None = None,
-    mask_token_id: int | None = None,
-    output_history: bool = False,
-    output_scores: bool = False,
-    generation_tokens_hook_func: Callable | None = None,
-    generation_logits_hook_func: Callable | None = None,
-    progress: Callable | None = None,
-    blockwise: bool = False,
-    **settings,
-) -> Prepared:
-    """Check `diffusion_generate`'s arguments (documented there; `settings` are `GenerationSettings`) and place
-    the canvas on the model's mesh. `blockwise` decodes block-wise even without a fast-decoding setting.
-
-    A given `attention_mask` is always applied, all ones included: a row then runs the same attention alone as
-    in a batch with padded rows (a padded batch cannot drop the mask).
-    """
-    input_ids = np.asarray(input_ids)
+def _new_tokens(model, input_ids, max_length: int | None, max_new_tokens: int | None) -> int:
+    """How many positions the canvas adds to the checked prompt batch `input_ids` (`max_new_tokens`, else
+    `max_length` less the prompt)."""
     _check(
         "input_ids",
         input_ids.ndim == 2 and np.issubdtype(input_ids.dtype, np.integer),
@@ -175,33 +154,81 @@ def prepare_generation(
         f"max_position_embeddings ({model.config.max_position_embeddings}, config.json); shorten the prompt or "
         f"generate fewer tokens",
     )
+    return new_tokens
+
+
+def _first_position(input_ids, mask_token_id: int, blockwise: bool, tokens_hook, logits_hook) -> int:
+    """The first canvas position that can hold a mask token: the new tokens' block-wise, where the prompt may
+    hold none and there is no logits hook."""
+    L = input_ids.shape[1]
+    prompt_masks = np.nonzero((input_ids == mask_token_id).any(axis=0))[0]
+    if not blockwise:
+        # Hooks see every position, as upstream's do; otherwise start at the first possible mask.
+        hooks = tokens_hook is not None or logits_hook is not None
+        return 0 if hooks else int(prompt_masks[0]) if len(prompt_masks) else L
+    _check(
+        "input_ids",
+        not len(prompt_masks),
+        "the prompt holds mask tokens, and block-wise generation fills only the new tokens; fill them with "
+        "the exact path (no block_length, cache, threshold or schedule)",
+    )
+    _check(
+        "generation_logits_hook_func",
+        logits_hook is None,
+        "not available block-wise (the steps score only the current block); use the exact path",
+    )
+    return L
+
+
+def _padded_mask(attention_mask, input_ids, new_tokens: int):
+    """The prompts' attention mask, checked, as booleans over the whole canvas (the new tokens attend), or None."""
+    if attention_mask is None:
+        return None
+    attention_mask = np.asarray(attention_mask)
+    _check(
+        "attention_mask",
+        attention_mask.shape == input_ids.shape,
+        f"shape {list(attention_mask.shape)} differs from input_ids {list(input_ids.shape)}",
+    )
+    return np.pad(attention_mask.astype(bool), ((0, 0), (0, new_tokens)), constant_values=True)
+
+
+def prepare_generation(
+    model,
+    input_ids,
+    attention_mask=None,
+    *,
+    max_length: int | None = None,
+    max_new_tokens: int | None = None,
+    rng: jax.Array | None = None,
+    mask_token_id: int | None = None,
+    output_history: bool = False,
+    output_scores: bool = False,
+    generation_tokens_hook_func: Callable | None = None,
+    generation_logits_hook_func: Callable | None = None,
+    progress: Callable | None = None,
+    blockwise: bool = False,
+    **settings,
+) -> Prepared:
+    """Check `diffusion_generate`'s arguments (documented there; `settings` are `GenerationSettings`) and place
+    the canvas on the model's mesh. `blockwise` decodes block-wise even without a fast-decoding setting.
+
+    A given `attention_mask` is always applied, all ones included: a row then runs the same attention alone as
+    in a batch with padded rows (a padded batch cannot drop the mask).
+    """
+    input_ids = np.asarray(input_ids)
+    new_tokens = _new_tokens(model, input_ids, max_length, max_new_tokens)
+    B = input_ids.shape[0]
     checked = GenerationSettings.of(**settings).check(new_tokens, blockwise, batch=B)
     mask_token_id = model.config.mask_token_id if mask_token_id is None else int(mask_token_id)
-    prompt_masks = np.nonzero((input_ids == mask_token_id).any(axis=0))[0]
-    hooks = generation_tokens_hook_func is not None or generation_logits_hook_func is not None
-    # Hooks see every position, as upstream's do; otherwise start at the first possible mask.
-    first = 0 if hooks else int(prompt_masks[0]) if len(prompt_masks) else L
-    if checked.block_length is not None:
-        _check(
-            "input_ids",
-            not len(prompt_masks),
-            "the prompt holds mask tokens, and block-wise generation fills only the new tokens; fill them with "
-            "the exact path (no block_length, cache, threshold or schedule)",
-        )
-        _check(
-            "generation_logits_hook_func",
-            generation_logits_hook_func is None,
-            "not available block-wise (the steps score only the current block); use the exact path",
-        )
-        first = L
-    if attention_mask is not None:
-        attention_mask = np.asarray(attention_mask)
-        _check(
-            "attention_mask",
-            attention_mask.shape == input_ids.shape,
-            f"shape {list(attention_mask.shape)} differs from input_ids {list(input_ids.shape)}",
-        )
-        attention_mask = np.pad(attention_mask.astype(bool), ((0, 0), (0, new_tokens)), constant_values=True)
+    first = _first_position(
+        input_ids,
+        mask_token_id,
+        checked.block_length is not None,
+        generation_tokens_hook_func,
+        generation_logits_hook_func,
+    )
+    attention_mask = _padded_mask(attention_mask, input_ids, new_tokens)
     x = np.concatenate([input_ids.astype(np.int32), np.full((B, new_tokens), mask_token_id, np.int32)], axis=1)
     rows = Rows.of(checked.row.rows(B))
     program = Program(
