@@ -13,6 +13,9 @@ import numpy as np
 
 from jaxport.errors import JaxportError
 
+TRAINING_ACTIONS = {"train"}  # its steps run on the calling thread by default (runtime/settings.py)
+RUNTIME_HELP = "--runtime NAME=VALUE,... (any action, e.g. --runtime attention=xla,remat=none) overrides the runtime"
+
 
 def _mesh(spec: str | None):
     from jaxport.distributed import parse_mesh
@@ -523,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:  # lm-eval parses its own arguments
         return evaluate(argv[1:])
-    parser = argparse.ArgumentParser(prog="jaxport dream", description="Dream / DiffuCoder masked-diffusion LMs")
+    parser = argparse.ArgumentParser(
+        prog="jaxport dream", description="Dream / DiffuCoder masked-diffusion LMs", epilog=RUNTIME_HELP
+    )
     actions = parser.add_subparsers(dest="action", required=True)
 
     gen = actions.add_parser("generate", help="generate text from prompts")
