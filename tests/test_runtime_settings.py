@@ -119,3 +119,26 @@ def test_a_run_records_the_settings_in_effect_in_its_saved_config(tmp_path):
         "head_in_out": "off",
     }
     assert set(saved["runtime"]) == set(settings.CHOICES)
+
+
+@pytest.mark.parametrize("family", ["trm", "gpt", "dream"])
+def test_every_family_s_command_takes_runtime_and_names_a_bad_value(family, capsys):
+    from jaxport import cli
+
+    assert cli.main([family, "train", "--runtime", "attention=flash"]) == 1  # refused before any host setting
+    error = "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn"
+    assert capsys.readouterr().err.strip() == f"jaxport {family}: error: {error}"
+
+
+def test_a_gpt_config_file_sets_runtime_settings_under_the_command_line_s(tmp_path, keep_malloc_defaults):
+    from jaxport import cli
+
+    config = tmp_path / "config.py"
+    config.write_text('runtime = "attention=causal_blocks,remat=attention_scores"\n')
+    # a bad flag value stops the run once the settings are read, before any work
+    argv = ["gpt", "train", str(config), "--runtime=attention=xla", "--batch_size=0"]
+    assert cli.main(argv) == 1
+    assert {k: settings.chosen().explicit()[k] for k in ("attention", "remat")} == {
+        "attention": "xla",
+        "remat": "attention_scores",
+    }

@@ -143,7 +143,8 @@ class RunConfig(Frozen):
     export_upstream: bool = False
     loggers: list[Literal["jsonl", "wandb", "tensorboard"]] = ["jsonl"]
     max_steps: PositiveInt | None = None
-    runtime: RuntimeSettings = RuntimeSettings()  # `runtime.attention=xla`: the runtime's choices (runtime/settings.py)
+    # `runtime.attention=xla`: the runtime's choices (runtime/settings.py), which `jaxport trm` makes the process's
+    runtime: RuntimeSettings = RuntimeSettings()
 
     @pydantic.model_validator(mode="after")
     def _eval_interval_divides_epochs(self):
