@@ -63,6 +63,15 @@ def pytest_unconfigure(config):
         shutil.rmtree(config.jaxport_xla_cache, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def each_test_starts_with_automatic_runtime_settings(monkeypatch):
+    """A test that runs `jaxport.cli.main` in the test process sets the process's runtime settings (`runtime.start`);
+    the tests after it start from every setting auto again."""
+    from jaxport.runtime import settings
+
+    monkeypatch.setattr(settings, "_process", dict(settings._process))
+
+
 @pytest.fixture
 def keep_malloc_defaults(monkeypatch):
     """The jaxport command tunes glibc's malloc for its process; tests that call `jaxport.cli.main` in the test

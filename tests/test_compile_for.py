@@ -209,8 +209,8 @@ def test_attention_on_a_tpu_recomputes_its_scores_in_the_backward_pass():
         return gradient.lower(qkv, qkv, qkv).compile().memory_analysis().temp_size_in_bytes
 
     tpu = runtime.for_devices(devices)
-    assert tpu.attention == "recompute"
-    kept, recomputed = temporaries(dataclasses.replace(tpu, attention="xla")), temporaries(tpu)
+    assert (tpu.attention, tpu.remat) == ("xla", "attention_scores")
+    kept, recomputed = temporaries(dataclasses.replace(tpu, remat="none")), temporaries(tpu)
     scores = B * H * S * S * 4  # float32, one layer's
     assert recomputed <= kept - 2 * scores, (recomputed, kept, scores)
 

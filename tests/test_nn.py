@@ -342,7 +342,7 @@ def test_attention_on_a_gpu_takes_cudnns_fused_kernel_where_it_applies(monkeypat
 
 @pytest.mark.parametrize("case", ["causal", "padding mask", "unmasked"])
 def test_attention_recomputed_in_the_backward_pass_gives_the_same_values_and_gradients(case):
-    """`attention="recompute"` (TPUs) is XLA's ops under `jax.checkpoint`: the same loss and gradients as with the
+    """`remat="attention_scores"` (TPUs) is XLA's ops under `jax.checkpoint`: the same loss and gradients as with the
     scores kept (tests/test_compile_for.py checks what it saves on a TPU)."""
     B, S, H, D = 2, 128, 4, 16
     local = np.random.default_rng(1)  # the module's generator keeps its sequence for the tests after this one
@@ -353,15 +353,16 @@ def test_attention_recomputed_in_the_backward_pass_gives_the_same_values_and_gra
         "unmasked": {},
     }[case]
 
-    def loss_and_grads(implementation):
+    def loss_and_grads(remat):
         def loss(q, k, v):
             return jnp.sum(dot_product_attention(q, k, v, **options) ** 2)
 
-        with runtime.use(runtime.Runtime(platform="tpu", attention=implementation, row_major_operands=False)):
+        tpu = runtime.Runtime(platform="tpu", attention="xla", remat=remat, row_major_operands=False)
+        with runtime.use(tpu):
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-    kept_loss, kept_grads = loss_and_grads("xla")
-    loss, grads = loss_and_grads("recompute")
+    kept_loss, kept_grads = loss_and_grads("none")
+    loss, grads = loss_and_grads("attention_scores")
     np.testing.assert_allclose(np.asarray(loss), np.asarray(kept_loss), rtol=1e-6)
     for g, kept in zip(grads, kept_grads, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(kept), rtol=1e-5, atol=1e-6)

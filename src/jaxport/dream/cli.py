@@ -13,6 +13,9 @@ import numpy as np
 
 from jaxport.errors import JaxportError
 
+TRAINING_ACTIONS = {"train"}  # its steps run on the calling thread by default (runtime/settings.py)
+RUNTIME_HELP = "--runtime NAME=VALUE,... (any action, e.g. --runtime attention=xla,remat=none) overrides the runtime"
+
 
 def _mesh(spec: str | None):
     from jaxport.distributed import parse_mesh
@@ -630,7 +633,9 @@ def _add_serve(actions):
 
 def _parser() -> argparse.ArgumentParser:
     """`jaxport dream`'s command line: every action's flags (`eval` passes its own to lm-eval)."""
-    parser = argparse.ArgumentParser(prog="jaxport dream", description="Dream / DiffuCoder masked-diffusion LMs")
+    parser = argparse.ArgumentParser(
+        prog="jaxport dream", description="Dream / DiffuCoder masked-diffusion LMs", epilog=RUNTIME_HELP
+    )
     actions = parser.add_subparsers(dest="action", required=True)
     _add_generate(actions)
     _add_bench(actions)

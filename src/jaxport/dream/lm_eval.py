@@ -18,7 +18,6 @@ import inspect
 import itertools
 import sys
 import zlib
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences
 from tqdm import tqdm
 
-from jaxport import dream
+from jaxport import dream, runtime
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.params import parse_mesh
 from jaxport.errors import JaxportError
@@ -50,7 +49,6 @@ def length_bucket(length: int) -> int:
     return -(-length // step) * step
 
 
-@partial(jax.jit, static_argnums=0)
 def _weighted_nll(graphdef, state, noisy_BN, target_BN, weight_BN, attention_mask_BN):
     """Per row, the sum over positions of `weight * -log p(target | noisy)`; logits shift by one as the
     sampler's do (position j is scored from the hidden state at j - 1)."""
@@ -271,9 +269,10 @@ class DreamLM(LM):
                 pad = width - len(sequence)
                 noisy_BN[row, pad:], target_BN[row, pad:], weight_BN[row, pad:] = noisy, sequence, weight
                 attention_BN[row, :pad] = 0
-            nll_B = _weighted_nll(
-                graphdef, state, *self.model.place_batch(noisy_BN, target_BN, weight_BN, attention_BN)
-            )
+            batch = self.model.place_batch(noisy_BN, target_BN, weight_BN, attention_BN)
+            program_runtime = runtime.for_tokens(batch[0], self.model.dtype)
+            weighted_nll = runtime.jit_once(_weighted_nll, program_runtime, static_argnums=0)
+            nll_B = weighted_nll(graphdef, state, *batch)
             for (index, *_), nll in zip(chunk, np.asarray(jax.device_get(nll_B))):
                 totals[index] += nll
         results = []

@@ -6,7 +6,6 @@ final norm and an untied (or tied) `lm_head`. Parameter paths follow the checkpo
 names (`model.layers.3.self_attn.q_proj.weight` -> `layers[3].self_attn.q_proj.weight`).
 """
 
-import functools
 import math
 
 import jax
@@ -15,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxport import runtime
 from jaxport.distributed.mesh import logical_sharding
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.decoding import diffusion_generate
@@ -177,15 +177,15 @@ class DreamModel(nnx.Module):
             attention_mask,
             None if position_ids is None else np.asarray(position_ids, np.int32),
         )
-        return _jit_forward(*nnx.split(self), input_ids, attention_mask, position_ids, output_hidden_states)
+        forward = runtime.jit_once(_forward, runtime.for_tokens(input_ids, self.dtype), static_argnums=(0, 5))
+        return forward(*nnx.split(self), input_ids, attention_mask, position_ids, output_hidden_states)
 
     def diffusion_generate(self, input_ids, attention_mask=None, **kwargs):
         """Masked-diffusion generation with upstream's arguments; see `jaxport.dream.decoding.diffusion_generate`."""
         return diffusion_generate(self, input_ids, attention_mask, **kwargs)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _jit_forward(graphdef, state, input_ids, attention_mask, position_ids, output_hidden_states):
+def _forward(graphdef, state, input_ids, attention_mask, position_ids, output_hidden_states):
     return nnx.merge(graphdef, state).forward(
         input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
     )

@@ -26,10 +26,16 @@ actions:
                       write DIR/ckpt.pt (nanoGPT's format) from the run's newest jaxport checkpoint
                       (multi-host runs write only jaxport's sharded checkpoints while training)
 
+--runtime=NAME=VALUE,... (e.g. --runtime=attention=xla,remat=none) overrides the runtime's choices for any
+action; a train config file may set them too: runtime = "attention=xla" (the command line wins).
+
 Multi-host: add --coordinator HOST:PORT --num-processes N --process-id I to train or export on each
 host (SLURM, Open MPI and TPU pods are detected without them).
 
 `jaxport gpt <action> --help` lists an action's options and defaults."""
+
+
+TRAINING_ACTIONS = {"train"}  # its steps run on the calling thread by default (runtime/settings.py)
 
 
 def _flags_help(title: str, defaults: dict) -> str:
@@ -65,7 +71,7 @@ def train_main(argv: list[str]) -> int:
     from jaxport.gpt import train
     from jaxport.gpt.configurator import configure
 
-    defaults = {**train.DEFAULTS, **train.EXTRA, "progress": sys.stderr.isatty()}
+    defaults = {**train.DEFAULTS, **train.EXTRA, "progress": sys.stderr.isatty(), "runtime": ""}
     if any(a in ("-h", "--help") for a in argv):
         usage = (
             "usage: jaxport gpt train [CONFIG ...] [--key=value ...] [--compile-for SLICE]\n\n--compile-for SLICE "
@@ -80,6 +86,9 @@ def train_main(argv: list[str]) -> int:
 
     slice_name, argv = take_flag(argv)
     cfg = configure(initialize_from_argv(argv), defaults)
+    from jaxport import runtime
+
+    runtime.configure(runtime.RuntimeSettings.parse(cfg.pop("runtime")))  # a config file's `runtime = "..."`
     if slice_name:
         return compile_train(cfg, slice_name)
     train.train(cfg)

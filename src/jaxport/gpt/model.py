@@ -11,7 +11,6 @@ without `rng` the model runs as nanoGPT's `model.eval()`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from pathlib import Path
 
@@ -174,7 +173,8 @@ class GPT(nnx.Module):
         self._check_length(idx.shape[1])
         targets = None if targets is None else jnp.asarray(targets, jnp.int32)
         graphdef, state = nnx.split(self)
-        return _forward(graphdef, state, idx, targets, rng)
+        forward = runtime.jit_once(_forward, runtime.for_tokens(idx, self.dtype), static_argnames=("graphdef",))
+        return forward(graphdef, state, idx, targets, rng)
 
     def forward(self, idx, targets=None, rng=None):
         """`__call__` without its jit, for use inside a traced function (e.g. a train step)."""
@@ -238,7 +238,10 @@ class GPT(nnx.Module):
         rng = jax.random.key(0) if rng is None else rng
         top_k = None if top_k is None else min(int(top_k), self.config.vocab_size)
         graphdef, state = nnx.split(self)
-        tokens, logits = _generate(
+        generate = runtime.jit_once(
+            _generate, runtime.for_tokens(idx, self.dtype), static_argnames=("graphdef", "max_new_tokens", "top_k")
+        )
+        tokens, logits = generate(
             graphdef, state, idx, rng, jnp.float32(temperature), max_new_tokens=int(max_new_tokens), top_k=top_k
         )
         return (tokens, logits) if return_logits else tokens
@@ -322,7 +325,6 @@ def estimate_mfu(
     return flops_per_token * T * fwdbwd_per_iter / dt / peak_flops
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
 def _forward(graphdef, state, idx, targets, rng):
     return nnx.merge(graphdef, state).forward(idx, targets, rng)
 
@@ -342,7 +344,6 @@ def _sample(logits_BV, temperature, top_k, rng):
     return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k"))
 def _generate(graphdef, state, idx_BP, rng, temperature, *, max_new_tokens: int, top_k: int | None):
     model = nnx.merge(graphdef, state)
     B, P = idx_BP.shape

@@ -37,12 +37,12 @@ def dot_product_attention(
     `dropout_p`, i.e. training); without it there is no dropout.
 
     The kernel is the runtime's choice (`runtime.current().attention`) where it applies: cuDNN's fused kernel,
-    causal self-attention in blocks of queries, or XLA's ops, whose `[B, H, S, T]` scores the backward pass keeps
-    or ("recompute") computes again.
+    causal self-attention in blocks of queries, or XLA's ops. With `runtime.current().remat` "attention_scores",
+    the backward pass of the last two computes their scores again instead of keeping them.
     """
     B, S, H, D = q_BSHD.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    implementation = runtime.current().attention
+    implementation, remat = runtime.current().attention, runtime.current().remat
     if kv_heads_first and (causal or implementation == "cudnn"):  # these kernels read keys by position
         k_BTKD, v_BTKD, kv_heads_first = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3), False
     if implementation == "cudnn" and mask is None and (dropout_rng is None or dropout_rate == 0.0):
@@ -58,14 +58,17 @@ def dot_product_attention(
     T = k_BTKD.shape[2 if kv_heads_first else 1]
     in_blocks = causal and mask is None and S == T and T % CAUSAL_BLOCK == 0 and T > CAUSAL_BLOCK
     if implementation == "causal_blocks" and in_blocks:
-        return _causal_attention_in_blocks(q_BSHD, k_BTKD, v_BTKD, scale, dropout_rate, dropout_rng)
+        attention = functools.partial(_causal_attention_in_blocks, scale=scale, dropout_rate=dropout_rate)
+        if remat == "attention_scores":
+            attention = jax.checkpoint(attention, policy=jax.checkpoint_policies.nothing_saveable)
+        return attention(q_BSHD, k_BTKD, v_BTKD, dropout_rng=dropout_rng)
     if not causal and dropout_rng is None:
         attention = functools.partial(_heads_first_attention, scale=scale, kv_heads_first=kv_heads_first)
     else:
         attention = functools.partial(
             _masked_attention, causal=causal, scale=scale, dropout_rate=dropout_rate, kv_heads_first=kv_heads_first
         )
-    if implementation == "recompute":  # the backward pass keeps q, k, v and recomputes the [B, H, S, T] scores
+    if remat == "attention_scores":  # the backward pass keeps q, k, v and recomputes the [B, H, S, T] scores
         attention = jax.checkpoint(attention, policy=jax.checkpoint_policies.nothing_saveable)
     return attention(q_BSHD, k_BTKD, v_BTKD, mask, dropout_rng)
 

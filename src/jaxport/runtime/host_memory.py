@@ -2,7 +2,8 @@
 temporaries stay in the heap between calls on transparent huge pages instead of being mapped and faulted in afresh
 every call (docs/performance.md, "Host memory"). Linux with glibc only; a no-op elsewhere.
 
-A program's entry point calls `tune_process` before any work (the `jaxport` command and the benchmarks do); a
+A program's entry point calls `tune_process` before any work (the `jaxport` command through its `host_memory`
+runtime setting, `runtime.settings.start`, and the benchmarks do); a
 training step's first call then sizes the heap on its temporaries (`keep_temporaries`, through
 `runtime.jit_training_step`). A program that only imports jaxport keeps glibc's defaults. glibc's own
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, set by the user before the process starts, also puts the blocks that stay
@@ -18,7 +19,7 @@ TRIM_THRESHOLD = 1 << 30  # free memory the heap keeps at its top before returni
 TOP_PAD = 64 << 20  # the heap grows by this much more than it needs
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 
-_tuned = {"training": False}
+_tuned = {"heap": False, "training": False}
 
 
 def _libc():
@@ -48,11 +49,22 @@ def tune_process(*, training: bool) -> None:
     libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
     libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     libc.mallopt(M_TOP_PAD, TOP_PAD)
+    _tuned["heap"] = True
     if training:
         import jax  # here: a plain import of this module leaves JAX alone
 
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         _tuned["training"] = True
+
+
+def available() -> bool:
+    """glibc's malloc is there to tune (Linux with glibc)."""
+    return _libc() is not None
+
+
+def tuned() -> bool:
+    """`tune_process` ran in this process."""
+    return _tuned["heap"]
 
 
 def tuned_for_training() -> bool:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxport.runtime import host_memory
+from jaxport.runtime import host_memory, settings
 
 # Rows per device from which a float32 product runs faster through XLA:CPU's own dot emitter than as a YNNPACK fusion
 # and XLA's windowed long reductions beat plain ones (docs/performance.md, "XLA:CPU compiler options"); also the
@@ -28,8 +28,9 @@ class Runtime:
 
     - `attention`: "cudnn" tries cuDNN's fused kernel for 16-bit attention without mask or dropout (GPUs);
       "causal_blocks" computes causal self-attention in blocks of queries (CPUs: "Attention on the CPU");
-      "xla" is one masked product; "recompute" is that product with the backward pass computing the
-      `[B, H, S, T]` scores again instead of keeping one per layer (TPUs: docs/tpu.md).
+      "xla" is one masked product.
+    - `remat`: "attention_scores" has the backward pass compute each layer's `[B, H, S, T]` scores again instead of
+      keeping them (TPUs: docs/tpu.md); "none" keeps them.
     - `row_major_operands`: reduced-precision operands that are transposed before a product are written out
       row-major, and weight gradients take the orientation XLA:CPU runs faster (CPUs: "Operand layouts").
     - `split_rows`: models compute independent rows in `row_chunks` chunks (CPUs: "Row chunks").
@@ -42,6 +43,7 @@ class Runtime:
     platform: str = "cpu"
     devices: int = 1
     attention: str = "causal_blocks"
+    remat: str = "none"
     row_major_operands: bool = True
     split_rows: bool = True
     head_in_out: bool = True
@@ -84,17 +86,43 @@ def _xla_options(platform: str, dtype, rows: int, reduces_leading_axis: bool) ->
 
 def for_devices(devices=None) -> Runtime:
     """The runtime of programs on `devices` (a Mesh or any collection of devices; default: the default device's
-    platform, all its devices), without XLA options (`Runtime.for_program` adds them)."""
+    platform, all its devices), without XLA options (`Runtime.for_program` adds them): the policy's choices for
+    their platform where the process's settings (`settings.chosen`) say auto, the settings' values elsewhere."""
     devices = _device_list(devices)
     platform = devices[0].platform
-    return Runtime(
+    automatic = Runtime(
         platform=platform,
         devices=len(devices),
-        attention={"cpu": "causal_blocks", "gpu": "cudnn", "tpu": "recompute"}.get(platform, "xla"),
+        attention={"cpu": "causal_blocks", "gpu": "cudnn"}.get(platform, "xla"),
+        remat="attention_scores" if platform == "tpu" else "none",
         row_major_operands=platform == "cpu",
         split_rows=platform == "cpu",
         head_in_out=platform == "cpu",
     )
+    chosen = _with_settings(automatic, settings.chosen())
+    settings.announce_once(lambda: effective_settings_of(chosen))
+    return chosen
+
+
+SWITCHES = ("row_major_operands", "head_in_out", "split_rows")
+
+
+def _with_settings(automatic: Runtime, chosen: settings.RuntimeSettings) -> Runtime:
+    explicit = {key: value for key, value in chosen.explicit().items() if key not in settings.HOST_SETTINGS}
+    return dataclasses.replace(
+        automatic, **{key: value == "on" if key in SWITCHES else value for key, value in explicit.items()}
+    )
+
+
+def effective_settings_of(program_runtime: Runtime) -> dict:
+    """Every runtime setting's value in effect for `program_runtime` and this process (none of them auto)."""
+    values = {key: getattr(program_runtime, key) for key in settings.CHOICES if key not in settings.HOST_SETTINGS}
+    return {**{k: ("on" if v else "off") if k in SWITCHES else v for k, v in values.items()}, **settings.host()}
+
+
+def effective_settings(devices=None) -> dict:
+    """`effective_settings_of` the runtime of `devices` (default: the default devices): what a run records."""
+    return effective_settings_of(for_devices(devices))
 
 
 def for_tokens(x_BN, dtype) -> Runtime:

@@ -11,7 +11,8 @@
             run.record(step, outputs, read)
             run.save(step, state, meta={"data": loader.state_dict()})   # asynchronous, atomic, sharded
 
-The run folder holds the config snapshot, `metrics.jsonl`, `learning_curves.png` (written at close) and
+The run folder holds the config snapshot (with the runtime settings in effect under `runtime`, as every
+checkpoint's meta holds them), `metrics.jsonl`, `learning_curves.png` (written at close) and
 `jaxport_checkpoints/<step>` (orbax). A step's outputs are read from the devices once the next step is
 under way (`record`), so the host never waits for the step it has just started; every recorded step is
 read, checked and logged in order before a checkpoint is written, a metric is logged directly, or the
@@ -32,6 +33,7 @@ import yaml
 from etils import epath
 from tqdm import tqdm
 
+from jaxport import runtime
 from jaxport.checkpoint.runs import RunCheckpoints
 from jaxport.distributed import fetch_replicated
 from jaxport.errors import JaxportError
@@ -96,7 +98,9 @@ class Run:
             raise JaxportError(f"keep_last={keep_last}: keep at least 1 checkpoint (or none for all)")
         if keep_every is not None and keep_every < 1:
             raise JaxportError(f"keep_every={keep_every} must be a positive number of steps")
-        self.config, self.config_name = config, config_name
+        self.runtime = runtime.effective_settings()  # the runtime's choices, recorded with the run
+        self.config = None if config is None else {**config, "runtime": self.runtime}
+        self.config_name = config_name
         self.total_steps, self.initial_step = total_steps, initial_step
         self._log_options = dict(loggers=tuple(loggers), project=project, name=name, shown=shown, progress=progress)
         self.checkpoints = run_checkpoints(self.dir, keep_last=keep_last, keep_every=keep_every, warn=self.warn)
@@ -188,7 +192,7 @@ class Run:
         non_finite = int(fetch_replicated(_count_non_finite(state)))
         if non_finite:
             self._stop(step, f"the state to checkpoint holds {non_finite} NaN or infinite weight or optimizer value(s)")
-        self.checkpoints.save(step, state, {"step": int(step), **(meta or {})})
+        self.checkpoints.save(step, state, {"step": int(step), **(meta or {}), "runtime": self.runtime})
 
     # ----- logging
 

@@ -16,7 +16,11 @@ ACTIONS = """actions:
                             run's step for a Cloud TPU slice (v4-8, v4-64, ...) on this machine and
                             reports its memory, FLOPs and collectives (needs jaxport[tpu])
   eval --run DIR            evaluate a run's latest checkpoint (or --checkpoint step_N --config all_config.yaml)
+
+train, demo and eval take runtime.NAME=VALUE overrides (runtime.attention=xla runtime.remat=none) or, like every
+family, --runtime attention=xla,remat=none, which wins.
 """
+TRAINING_ACTIONS = {"train", "demo"}  # their steps run on the calling thread by default (runtime/settings.py)
 
 
 def main(argv: list[str]) -> int:
@@ -54,10 +58,26 @@ def _train(argv):
     slice_name, argv = take_flag(argv)
     overrides = initialize_from_argv(argv)
     if slice_name:
-        return _compile_train(load_run_config(overrides), slice_name)
-    result = train(load_run_config(overrides))
+        return _compile_train(_configured(load_run_config(overrides)), slice_name)
+    result = train(_configured(load_run_config(overrides)))
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _configured(config):
+    """`config`, its `runtime:` settings now the process's (under the command line's `--runtime`)."""
+    from jaxport import runtime
+
+    runtime.configure(config.runtime)
+    return config
+
+
+def _saved_config(path) -> dict:
+    """A run's saved all_config.yaml without the runtime settings in effect on its machine: this command's runtime
+    chooses for its own devices."""
+    from jaxport.trm.config import read_all_config
+
+    return {key: value for key, value in read_all_config(path).items() if key != "runtime"}
 
 
 def _compile_train(config, slice_name: str) -> int:
@@ -97,14 +117,13 @@ def _eval(argv):
     from jaxport.distributed import initialize_from_argv
 
     args = parser.parse_args(initialize_from_argv(argv))
-    from jaxport.trm.config import read_all_config
     from jaxport.trm.run_config import load_run_config
     from jaxport.trm.train import Trainer
 
     if args.run:
         run = Path(args.run)
-        config = load_run_config(
-            args.overrides + [f"checkpoint_path={run}"], base=read_all_config(run / "all_config.yaml")
+        config = _configured(
+            load_run_config(args.overrides + [f"checkpoint_path={run}"], base=_saved_config(run / "all_config.yaml"))
         )
         trainer = Trainer(config)
         with trainer.run:
@@ -114,8 +133,8 @@ def _eval(argv):
         return 0
     if args.checkpoint:
         config_path = Path(args.config) if args.config else Path(args.checkpoint).parent / "all_config.yaml"
-        config = load_run_config(
-            args.overrides + [f"load_checkpoint={args.checkpoint}"], base=read_all_config(config_path)
+        config = _configured(
+            load_run_config(args.overrides + [f"load_checkpoint={args.checkpoint}"], base=_saved_config(config_path))
         )
         if config.checkpoint_path is None:
             config = config.replace(checkpoint_path=str(Path(args.checkpoint).parent))
@@ -199,7 +218,7 @@ def _demo(argv):
         + args.overrides
     )
     t0 = time.time()
-    result = train(config)
+    result = train(_configured(config))
     accuracy = result["eval"].get("all/exact_accuracy")
     print(
         f"\ntrained TRM (mlp_t, hidden 64) for {result['step']} steps in {time.time() - t0:.0f} s; "

@@ -10,6 +10,7 @@ import yaml
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from jaxport.errors import JaxportError
+from jaxport.runtime.settings import RuntimeSettings
 from jaxport.typed_config import validate
 
 # arch keys that name upstream classes rather than sizes; kept so configs round-trip.
@@ -142,6 +143,8 @@ class RunConfig(Frozen):
     export_upstream: bool = False
     loggers: list[Literal["jsonl", "wandb", "tensorboard"]] = ["jsonl"]
     max_steps: PositiveInt | None = None
+    # `runtime.attention=xla`: the runtime's choices (runtime/settings.py), which `jaxport trm` makes the process's
+    runtime: RuntimeSettings = RuntimeSettings()
 
     @pydantic.model_validator(mode="after")
     def _eval_interval_divides_epochs(self):

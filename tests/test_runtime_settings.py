@@ -1,0 +1,144 @@
+"""The runtime settings a user can set (`--runtime NAME=VALUE,...`, a family's config): parsed with one error naming
+the bad key or value, applied to the programs jitted afterwards, printed at start-up and recorded with the run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from jaxport import runtime
+from jaxport.errors import JaxportError
+from jaxport.nn import dot_product_attention
+from jaxport.runtime import settings
+from jaxport.runtime.settings import RuntimeSettings
+
+
+def test_settings_parse_from_the_command_line_later_ones_winning():
+    chosen, rest = runtime.take_settings(
+        ["train", "--runtime", "attention=xla,remat=none", "--n_layer=2", "--runtime=remat=attention_scores"]
+    )
+    assert rest == ["train", "--n_layer=2"]
+    assert chosen.explicit() == {"attention": "xla", "remat": "attention_scores"}
+    assert RuntimeSettings.parse("").explicit() == {}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("attention=flash", "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn"),
+        ("remat=full", "runtime: remat=full is not one of auto, none, attention_scores"),
+        ("atention=xla", "runtime: unknown setting 'atention'; the settings are attention, remat, row_major_operands"),
+        ("attention", "runtime: 'attention': expected NAME=VALUE pairs separated by commas"),
+    ],
+)
+def test_a_bad_setting_is_one_error_naming_it_and_the_allowed_ones(text, message):
+    with pytest.raises(JaxportError, match="^" + message.replace("(", r"\(")):
+        RuntimeSettings.parse(text)
+
+
+def test_trm_s_config_takes_the_settings_as_hydra_overrides():
+    from jaxport.trm.run_config import load_run_config
+
+    config = load_run_config(["data_paths=[x]", "runtime.attention=xla", "runtime.remat=none"])
+    assert config.runtime.explicit() == {"attention": "xla", "remat": "none"}
+    with pytest.raises(JaxportError, match="runtime: split_rows=maybe is not one of auto, on, off"):
+        load_run_config(["data_paths=[x]", "runtime.split_rows=maybe"])
+
+
+def test_the_command_line_wins_over_the_config_and_host_settings_belong_to_the_command_line():
+    settings.start(RuntimeSettings.parse("attention=xla,host_memory=off"), trains=False)
+    runtime.configure(RuntimeSettings.parse("attention=causal_blocks,remat=attention_scores,split_rows=off"))
+    assert settings.chosen().explicit() == {
+        "attention": "xla",
+        "remat": "attention_scores",
+        "split_rows": "off",
+        "host_memory": "off",
+    }
+    with pytest.raises(JaxportError, match="async_dispatch=off applies to the process .* --runtime async_dispatch"):
+        runtime.configure(RuntimeSettings.parse("async_dispatch=off"))
+
+
+def attention_program(program_runtime):
+    """(the runtime a jitted causal attention saw while traced, its lowered text)."""
+    seen = []
+
+    def attention(q):
+        seen.append(runtime.current())
+        return dot_product_attention(q, q, q, causal=True)
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, 16), jnp.float32)
+    text = runtime.jit(attention, program_runtime).lower(q).as_text()
+    return seen[0], text
+
+
+def test_an_override_changes_the_program_the_layers_build():
+    automatic, blocks_text = attention_program(runtime.for_devices(jax.devices("cpu")))
+    runtime.configure(RuntimeSettings.parse("attention=xla,row_major_operands=off"))
+    chosen, xla_text = attention_program(runtime.for_devices(jax.devices("cpu")))
+    assert (automatic.attention, automatic.row_major_operands) == ("causal_blocks", True)
+    assert (chosen.attention, chosen.row_major_operands, chosen.split_rows) == ("xla", False, True)
+    assert xla_text.count("dot_general") < blocks_text.count("dot_general")  # one product, not one per block
+
+
+def test_remat_of_attention_scores_recomputes_them_in_the_backward_pass():
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 128, 2, 16)), jnp.float32)
+    loss = lambda q: jnp.sum(dot_product_attention(q, q, q, causal=True) ** 2)  # noqa: E731
+
+    def primitives():
+        with runtime.use(runtime.for_devices(jax.devices("cpu"))):
+            return {equation.primitive.name for equation in jax.make_jaxpr(jax.grad(loss))(q).jaxpr.eqns}
+
+    assert "remat2" not in primitives()  # the CPU's default: none
+    for attention in ("xla", "causal_blocks"):
+        runtime.configure(RuntimeSettings.parse(f"attention={attention},remat=attention_scores"))
+        assert "remat2" in primitives()  # jax.checkpoint's
+
+
+def test_the_start_up_line_prints_the_values_in_effect_once(capsys):
+    settings.start(RuntimeSettings.parse("attention=xla,host_memory=off"), trains=False)  # the process unchanged
+    runtime.for_devices(jax.devices("cpu"))
+    runtime.for_devices(jax.devices("cpu"))
+    assert capsys.readouterr().err.splitlines() == [
+        "runtime: attention=xla remat=none row_major_operands=on head_in_out=on split_rows=on host_memory=off "
+        "async_dispatch=" + ("on" if jax.config.read("jax_cpu_enable_async_dispatch") else "off")
+    ]
+
+
+def test_a_run_records_the_settings_in_effect_in_its_saved_config(tmp_path):
+    from jaxport.training.run import Run
+
+    runtime.configure(RuntimeSettings.parse("remat=attention_scores,head_in_out=off"))
+    with Run(tmp_path, config={"lr": 0.1}, config_name="all_config.yaml", total_steps=1, progress=False) as run:
+        run.start_logging()
+    saved = yaml.safe_load((tmp_path / "all_config.yaml").read_text())
+    assert saved["lr"] == 0.1
+    assert {key: saved["runtime"][key] for key in ("attention", "remat", "head_in_out")} == {
+        "attention": "causal_blocks",
+        "remat": "attention_scores",
+        "head_in_out": "off",
+    }
+    assert set(saved["runtime"]) == set(settings.CHOICES)
+
+
+@pytest.mark.parametrize("family", ["trm", "gpt", "dream"])
+def test_every_family_s_command_takes_runtime_and_names_a_bad_value(family, capsys):
+    from jaxport import cli
+
+    assert cli.main([family, "train", "--runtime", "attention=flash"]) == 1  # refused before any host setting
+    error = "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn"
+    assert capsys.readouterr().err.strip() == f"jaxport {family}: error: {error}"
+
+
+def test_a_gpt_config_file_sets_runtime_settings_under_the_command_line_s(tmp_path, keep_malloc_defaults):
+    from jaxport import cli
+
+    config = tmp_path / "config.py"
+    config.write_text('runtime = "attention=causal_blocks,remat=attention_scores"\n')
+    # a bad flag value stops the run once the settings are read, before any work
+    argv = ["gpt", "train", str(config), "--runtime=attention=xla", "--batch_size=0"]
+    assert cli.main(argv) == 1
+    assert {k: settings.chosen().explicit()[k] for k in ("attention", "remat")} == {
+        "attention": "xla",
+        "remat": "attention_scores",
+    }
