@@ -2,13 +2,28 @@
 PYTHON ?= python3
 VENV := .venv
 
-$(VENV)/.installed: pyproject.toml
+LOCK := requirements.lock
+PIP := pip==26.3
+PIP_TOOLS := pip-tools==7.6.2
+
+# The exact versions of requirements.lock (pyproject.toml's `test` extra resolved), then jaxport itself.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q $(PIP)
+	$(VENV)/bin/pip install -q -r $(LOCK)
+	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: demo test lint bench
+# requirements.lock anew: the newest versions pyproject.toml's ranges allow, through this machine's pip
+# configuration (so torch stays the CPU build); pip-tools runs from a venv of its own, outside the locked one.
+lock:
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install -q $(PIP) $(PIP_TOOLS)
+	.lock-venv/bin/pip-compile --upgrade --quiet --extra test --strip-extras --no-emit-index-url \
+		--no-emit-find-links -o $(LOCK) pyproject.toml
+	rm -rf .lock-venv
+
+.PHONY: demo test lint bench lock
 demo: $(VENV)/.installed
 	$(VENV)/bin/jaxport trm demo
 
