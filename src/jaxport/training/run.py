@@ -23,7 +23,6 @@ import math
 import signal
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -106,7 +105,6 @@ class Run:
         self._recorded: list[tuple[int, object, Callable]] = []  # (step, device outputs, read) not read yet
         self._previous_sigterm = None
         self._closed, self._png = False, None
-        self._import_ahead = None
 
     # ----- lifetime
 
@@ -168,18 +166,6 @@ class Run:
         if failures:
             raise failures[0]
         return self._png
-
-    def import_ahead(self, *modules: str) -> None:
-        """Deprecated alias of `jaxport.gpt.train.ImportAhead` (the one loop that uses it), kept for one release."""
-        warnings.warn(
-            "Run.import_ahead is deprecated: use jaxport.gpt.train.ImportAhead", DeprecationWarning, stacklevel=2
-        )
-        if self._import_ahead is None:
-            from jaxport.gpt.train import ImportAhead
-
-            self._import_ahead = ImportAhead(enabled=self.is_main)
-        self._import_ahead(*modules)
-        self._import_thread = self._import_ahead.thread
 
     # ----- checkpoints
 
