@@ -3,9 +3,9 @@
 One jitted, mesh-sharded step does the ACT call, the backward pass of `loss / global_batch_size`,
 Adam-atan2 on the weights, sign-SGD on the puzzle-embedding rows of the batch and the EMA update.
 The ACT carry lives in the train state, so it persists across batches (and checkpoints) as upstream.
-The host never waits for a step: the step number and learning rates are computed on the host, and the
-metrics of several steps are read in one transfer (`flush`), which also stops the run at the first
-non-finite loss before any later checkpoint is written.
+The loop is `jaxport.training.loop.fit`: the host never waits for a step (the step number and learning
+rates are computed on the host), and the metrics of several steps are read in one transfer, which also
+stops the run at the first non-finite loss before any later checkpoint is written.
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxport import runtime
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.checkpoint.torch_io import load_torch_file, save_torch_file
+from jaxport.checkpoint.torch_io import save_torch_file
 from jaxport.distributed import (
     local_rows,
     logical_sharding,
@@ -35,12 +35,12 @@ from jaxport.distributed import (
 from jaxport.errors import JaxportError
 from jaxport.training import adam_atan2, compute_lr, ema_copy, ema_init, ema_update, sparse_sign_sgd_update
 from jaxport.training.loop import every, fit
-from jaxport.training.run import Run, run_checkpoints
+from jaxport.training.run import Run
 from jaxport.training.step import apply_gradients
 from jaxport.trm import params as trm_params
 from jaxport.trm.config import RunConfig, TRMConfig
 from jaxport.trm.data import PuzzleDataset, PuzzleDatasetMetadata
-from jaxport.trm.evaluate import evaluate, reduce_train_metrics
+from jaxport.trm.evaluate import evaluate, make_evaluators, reduce_train_metrics
 from jaxport.trm.model import TRM, Buffer, Carry, loss_and_grad
 
 READ_EVERY = 32  # steps whose metrics are read from the devices in one transfer
@@ -112,12 +112,12 @@ class Trainer:
         self.run_dir = Path(config.checkpoint_path)
         self.model = TRM(self.model_config, rngs=nnx.Rngs(config.seed))
         if config.load_checkpoint:
-            self._load_weights(Path(config.load_checkpoint))
+            trm_params.load_weights(self.model, Path(config.load_checkpoint))
         self.model.train()
         self.graphdef, params, buffers, self.rest = nnx.split(self.model, nnx.Param, Buffer, ...)
         self.use_puzzle_emb = self.model_config.puzzle_emb_ndim > 0
         self.tx = optimizer(config)
-        self.evaluators = self._make_evaluators()
+        self.evaluators = make_evaluators(config, self.train_loader.metadata.blank_identifier_id)
         self._train_step = runtime.jit_training_step(
             self._step, self.model.runtime_for((self.gbs, self.model_config.seq_len), self.mesh), donate_argnums=0
         )
@@ -139,32 +139,6 @@ class Trainer:
         )
 
     # ----- set-up
-
-    def _load_weights(self, path: Path) -> None:
-        """`load_checkpoint=`: an upstream step_N file, or a jaxport run folder (its newest intact checkpoint)."""
-        if path.is_dir():
-            _, params, buffers, _ = nnx.split(self.model, nnx.Param, Buffer, ...)
-            with run_checkpoints(path) as source:
-                restored, _ = source.restore({"params": params, "buffers": buffers}, partial=True)
-            nnx.update(self.model, restored["params"], restored["buffers"])
-            return
-        weights = trm_params.relative_weights(load_torch_file(path, "load_checkpoint"))
-        trm_params.load_state_dict(self.model, weights, source=path)
-
-    def _make_evaluators(self):
-        evaluators = []
-        for spec in self.config.evaluators:
-            if spec.name.split("@")[-1] != "ARC":
-                raise JaxportError(f"unknown evaluator {spec.name!r} (jaxport has arc@ARC)")
-            from jaxport.trm.arc_eval import ARCEvaluator
-
-            data_path = (self.config.data_paths_test or self.config.data_paths)[0]
-            evaluators.append(
-                ARCEvaluator(
-                    data_path, blank_identifier_id=self.train_loader.metadata.blank_identifier_id, **spec.model_extra
-                )
-            )
-        return evaluators
 
     def _fresh_state(self, params, buffers) -> TrainState:
         """Step 0's state, on no particular device: fresh optimizer moments and EMA, every carry row halted."""
@@ -233,8 +207,7 @@ class Trainer:
         return self._train_step(state, shard_batch(batch, self.mesh), hyper)
 
     def batches(self, max_steps: int):
-        """(step, batch) of the current iteration (upstream's train_batch calls) until the schedule or `max_steps`
-        is done (then `stopped`)."""
+        """(step, batch) of this iteration (upstream's train_batch calls) until the schedule or `max_steps` ends."""
         for _, batch, _ in self.train_loader:
             if self.step + 1 > self.total_steps:
                 return
@@ -247,26 +220,17 @@ class Trainer:
         self.step, self.state = step, state
 
     def _read_step(self, step: int, out: dict) -> dict:
-        """A step's metrics, read from the devices (its loss checked): stop at a non-finite weight, else what to
-        log."""
-        lr = self.lr(self.config.lr, step)
+        """A step's metrics, read from the devices (its loss checked): stop at a non-finite weight, else to log."""
+        lr, bad = self.lr(self.config.lr, step), "made the weights non-finite: a weight"
         if not out["weights_finite"]:
-            self.run.check_finite(
-                step, math.nan, what=f"the update (lr {lr:.3g}) made the weights non-finite: a weight"
-            )
+            self.run.check_finite(step, math.nan, what=f"the update (lr {lr:.3g}) {bad}")
         reduced = reduce_train_metrics(out["metrics"], self.gbs)
         return {f"train/{k}": v for k, v in reduced.items()} | {"train/lr": lr}
-
-    def flush(self) -> None:
-        """Read, check and log the steps run since the last read (`Run.flush`)."""
-        self.run.flush()
 
     # ----- evaluation
 
     def eval_model(self) -> TRM:
-        params = self.state.params
-        if self.state.ema is not None:
-            params = ema_copy(self.state.ema, params)
+        params = self.state.params if self.state.ema is None else ema_copy(self.state.ema, self.state.params)
         model = nnx.merge(self.graphdef, params, self.state.buffers, self.rest)
         model.eval()
         return model
@@ -292,7 +256,7 @@ class Trainer:
     # ----- checkpoints
 
     def save(self) -> int:
-        self.flush()  # a run that went non-finite stops here, before writing a bad checkpoint
+        self.run.flush()  # a run that went non-finite stops here, before writing a bad checkpoint
         self.run.save(self.step, self.state, {"data": self.train_loader.state_dict(), "iteration": self.iteration})
         if self.config.export_upstream and self.rank == 0:
             model = nnx.merge(self.graphdef, self.state.params, self.state.buffers, self.rest)
@@ -334,7 +298,7 @@ class Trainer:
                 run, self.run_step, self.state, self.batches(max_steps), hyper=self.rates, read=self._read_step,
                 after=[self._stepped, save],
             )  # fmt: skip
-            self.flush()
+            self.run.flush()
             if self.iteration >= (config.min_eval_interval or 0) or self.stopped:
                 last_eval = self.evaluate()
                 if last_eval:
@@ -343,7 +307,7 @@ class Trainer:
             self.iteration += 1
             if config.checkpoint_every_eval or self.stopped or self.iteration == self.total_iters:
                 self.save()
-        self.flush()
+        self.run.flush()
         png = run.close()
         return {
             "step": self.step,
