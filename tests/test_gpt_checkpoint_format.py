@@ -108,10 +108,10 @@ def assert_written_like_nanogpt(path: Path, name: str) -> dict:
 
 @pytest.mark.parametrize("name", ["nanogpt_ckpt", "nanogpt_ckpt_nobias"])
 def test_written_checkpoint_has_nanogpts_layout(name, tmp_path):
-    """The writer `jaxport gpt train` and `export` share (Trainer.checkpoint, saved atomically), on a model of
-    each recorded configuration."""
+    """The writer `jaxport gpt train` and `export` share (`gpt.params.nanogpt_checkpoint`, saved atomically), on a
+    model of each recorded configuration."""
     from jaxport.gpt import train as gpt_train
-    from jaxport.gpt.train import write_nanogpt_checkpoint
+    from jaxport.gpt.params import write_nanogpt_checkpoint
 
     shutil.copy(FIXTURES / name / "ckpt.pt", tmp_path / "ckpt.pt")
     cfg = {

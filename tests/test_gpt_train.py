@@ -15,6 +15,7 @@ import pytest
 
 from jaxport.checkpoint import load_torch_file, save_torch_file
 from jaxport.gpt import train as gpt_train
+from jaxport.training.step import LOSS_SCALE_GROWTH_INTERVAL
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpt"
 CASE = FIXTURES / "nanogpt_train_resume"
@@ -164,7 +165,7 @@ def test_float16_dynamic_loss_scaling(tmp_path, monkeypatch):
     assert not np.isfinite(float(norm))
     np.testing.assert_array_equal(np.asarray(trainer.params["wte"]), before)
     assert float(trainer.loss_scale[0]) == 2.0**119 and int(trainer.loss_scale[1]) == 0
-    trainer.loss_scale = (jnp.float32(2.0**16), jnp.int32(gpt_train.LOSS_SCALE_GROWTH_INTERVAL - 1))
+    trainer.loss_scale = (jnp.float32(2.0**16), jnp.int32(LOSS_SCALE_GROWTH_INTERVAL - 1))
     _, norm = trainer.step(x["train_x"][0], x["train_y"][0], 1e-3)
     assert np.isfinite(float(norm))
     assert not np.array_equal(np.asarray(trainer.params["wte"]), before)

@@ -114,12 +114,12 @@ def test_trm_steps_where_no_row_halted_log_null(tmp_path):
 
 
 def test_a_run_imports_what_its_end_needs_on_a_thread_once(tmp_path):
-    """`ImportAhead` (GPT's loop): matplotlib's pyplot (the learning curves at close) and the modules named, loaded
-    on one background thread, started once however often a loop calls it; a module that does not exist is left to
-    fail where it is used."""
+    """`ImportAhead` (the training loop's): matplotlib's pyplot (the learning curves at close) and the modules named,
+    loaded on one background thread, started once however often a loop calls it; a module that does not exist is
+    left to fail where it is used."""
     probe = """
 import sys, threading
-from jaxport.gpt.train import ImportAhead
+from jaxport.training.loop import ImportAhead
 assert "matplotlib.pyplot" not in sys.modules and "tabnanny" not in sys.modules
 import_ahead = ImportAhead()
 import_ahead("tabnanny", "no_such_module_here")

@@ -1,9 +1,9 @@
-"""Fault injection: `kill -9` real training runs (TRM and GPT) at random moments after the first
+"""Fault injection: `kill -9` real training runs (TRM, GPT and Dream) at random moments after the first
 checkpoint exists, and while an asynchronous checkpoint is being written (as soon as orbax's
 temporary step folder appears), restart them with the same command, and check that each run resumes
 from the newest intact checkpoint and then follows an uninterrupted run's losses bit for bit.
 
-    python tools/faults.py [--families trm,gpt] [--kills 20] [--seed 0] [--workdir DIR]
+    python tools/faults.py [--families trm,gpt,dream] [--kills 20] [--seed 0] [--workdir DIR]
 
 One JSON line per kill, then per family: `N kills, N resumed, N identical trajectories`.
 Exit status 0 only if every kill resumed and every trajectory is identical.
@@ -60,6 +60,24 @@ GPT_FLAGS = [
     "--warmup_iters=2",
     "--always_save_checkpoint=True",
 ]
+DREAM_FLAGS = [
+    "--config=tiny",
+    "--seq-len=32",
+    "--response-len=16",
+    "--batch-size=8",
+    "--lr=3e-3",
+    "--warmup-steps=2",
+    "--samples=0",
+    "--seed=0",
+]
+# the training problems and tokenizer Dream's runs read (as tests/test_dream_train.py makes them)
+DREAM_DATA = """
+import sys
+from pathlib import Path
+from jaxport.dream import tasks
+train, _ = tasks.train_and_test(600, 8, seed=3)
+tasks.write_problems(train, Path(sys.argv[1]) / "train.jsonl")
+"""
 
 
 class Family:
@@ -69,7 +87,7 @@ class Family:
         self.name, self.data, self.steps, self.every = name, data, steps, every
 
     def command(self, run: Path, restart: bool) -> list[str]:
-        if self.name == "trm":  # TRM runs resume by themselves
+        if self.name == "trm":  # TRM and Dream runs resume by themselves
             return [
                 *JAXPORT,
                 "trm",
@@ -82,6 +100,19 @@ class Family:
                 f"max_steps={self.steps}",
                 f"checkpoint_every_steps={self.every}",
                 "keep_last=2",
+            ]
+        if self.name == "dream":
+            return [
+                *JAXPORT,
+                "dream",
+                "train",
+                *DREAM_FLAGS,
+                f"--data={self.data / 'train.jsonl'}",
+                f"--tokenizer={self.data / 'tokenizer'}",
+                f"--out-dir={run}",
+                f"--steps={self.steps}",
+                f"--save-every={self.every}",
+                "--keep-last=2",
             ]
         return [
             *JAXPORT,
@@ -100,13 +131,17 @@ class Family:
 
     def losses(self, run: Path) -> dict[int, float]:
         """The last logged training loss of every step (a restart logs the steps after its checkpoint again)."""
-        key, step_key = ("train/lm_loss", "step") if self.name == "trm" else ("loss", "iter")
+        keys = {"trm": ("train/lm_loss", "step"), "dream": ("train/loss", "step"), "gpt": ("loss", "iter")}
+        key, step_key = keys[self.name]
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return {r[step_key]: r[key] for r in rows if key in r}
 
     def resumed_from(self, output: str) -> int | None:
         if self.name == "trm":
             found = re.search(r"resumed from step (\d+)", output)
+            return int(found.group(1)) if found else None
+        if self.name == "dream":
+            found = re.search(r"resumed at step (\d+)", output)
             return int(found.group(1)) if found else None
         start = output.find("Resuming training from")
         found = re.search(r"^iter (\d+):", output[start:], re.MULTILINE) if start >= 0 else None
@@ -179,6 +214,21 @@ def prepare(family: str, root: Path) -> Path:
             "--output-dir",
             str(data),
         ]
+    elif family == "dream":
+        data = root / "dream"
+        data.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-c", DREAM_DATA, str(data)], check=True, capture_output=True, env=ENV)
+        command = [
+            *JAXPORT,
+            "dream",
+            "tokenizer",
+            "--input",
+            str(data / "train.jsonl"),
+            "--output",
+            str(data / "tokenizer"),
+            "--vocab-size",
+            "400",
+        ]
     else:
         data = root / "data"
         command = [
@@ -233,7 +283,7 @@ def run_family(name: str, kills: int, modes: list[str], root: Path, rng: random.
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="trm,gpt")
+    parser.add_argument("--families", default="trm,gpt,dream")
     parser.add_argument("--kills", type=int, default=20, help="kill points per family")
     parser.add_argument("--modes", default="random,during-save", help="kill modes, taken in turn")
     parser.add_argument("--steps", type=int, default=24, help="training steps per run")

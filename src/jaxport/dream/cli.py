@@ -410,7 +410,8 @@ def _compile_train(cfg, slice_name: str) -> int:
 
     def build(devices, spec=cfg.mesh):
         run = dataclasses.replace(cfg, mesh=spec)
-        step, arguments, mesh = train_lib.compile_target(run, devices)
+        mesh = train_lib.training_mesh(run, devices)
+        step, arguments = train_lib.compile_target(run, mesh)
         params = sum(x.size for x in jax.tree.leaves(arguments[0].params))
         title = (
             f"jaxport dream train: one step of a {params / 1e9:.3g}B-parameter Dream ({cfg.model or cfg.config}), "
@@ -443,9 +444,9 @@ def train(args) -> int:
 
 
 def export(args) -> int:
-    from jaxport.dream.train import export as export_model
+    from jaxport.dream.params import export_run
 
-    print(export_model(args.source, args.output, step=args.step, dtype=args.dtype, max_shard_size=args.max_shard_size))
+    print(export_run(args.source, args.output, step=args.step, dtype=args.dtype, max_shard_size=args.max_shard_size))
     return 0
 
 

@@ -23,6 +23,7 @@ from jaxport.dream.config import DreamConfig
 from jaxport.dream.model import DreamModel
 from jaxport.dtypes import float_dtype
 from jaxport.errors import JaxportError, write_error
+from jaxport.training.run import restore_params
 
 # Logical axis names per checkpoint-name suffix (see jaxport.distributed.mesh.LOGICAL_AXIS_RULES).
 _LOGICAL_AXES = {
@@ -257,3 +258,26 @@ def save_pretrained(
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, output_dir)
     return output_dir
+
+
+def export_run(
+    source: str | Path,
+    output_dir: str | Path,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """A Hugging Face directory from a training run folder (its newest intact checkpoint, or `step`) or from
+    another Hugging Face directory (to change the dtype or the shard size)."""
+    source = Path(source)
+    config = DreamConfig.from_model_dir(source)
+    model = abstract_model(config, jnp.float32, None)
+    restored = restore_params(source, nnx.state(model), step=step)
+    if restored is None:  # a Hugging Face directory
+        model = load_model(source, config, dtype="float32")
+    else:
+        nnx.update(model, restored[0])
+    return save_pretrained(
+        model, output_dir, dtype=dtype or config.torch_dtype, max_shard_size=max_shard_size, tokenizer_dir=source
+    )

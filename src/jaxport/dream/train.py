@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,9 @@ from jaxport.dream.params import (
 from jaxport.dream.tokenizer import DreamTokenizer, copy_tokenizer_files, special_token_ids, train_tokenizer
 from jaxport.errors import JaxportError
 from jaxport.nn import softmax_cross_entropy
+from jaxport.training.loop import every, fit
 from jaxport.training.optimizers import moment_shardings
-from jaxport.training.run import Run, restore_params
+from jaxport.training.run import Run
 from jaxport.training.step import accumulate_gradients, decay_mask
 
 
@@ -193,6 +195,12 @@ class TrainState:
     opt_state: optax.OptState
 
 
+class Hyper(NamedTuple):
+    """What the host gives a step: the random key of its masks (the learning rate is the optimizer's schedule)."""
+
+    key: jax.Array
+
+
 def optimizer(cfg: TrainConfig):
     """AdamW (decay on matrices only) after global-norm clipping, with linear warm-up and cosine decay."""
     schedule = optax.warmup_cosine_decay_schedule(
@@ -214,7 +222,7 @@ def initial_state(params, tx, mesh) -> TrainState:
 
 
 def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shardings, step_runtime):
-    """`step(state, batch [accum, B, L] arrays, key) -> (state, metrics)`, jitted under `step_runtime` with the
+    """`step(state, batch [accum, B, L] arrays, hyper) -> (state, metrics)`, jitted under `step_runtime` with the
     state donated."""
 
     def loss_fn(params, batch, key):
@@ -224,8 +232,8 @@ def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shard
     @functools.partial(
         runtime.jit_training_step, runtime=step_runtime, donate_argnums=0, out_shardings=(state_shardings, None)
     )
-    def step(state: TrainState, batches: dict, key):
-        accum = batches["input_ids"].shape[0]
+    def step(state: TrainState, batches: dict, hyper: Hyper):
+        accum, key = batches["input_ids"].shape[0], hyper.key
 
         def objective(params, batch, micro_key):
             loss = loss_fn(params, batch, micro_key)
@@ -282,13 +290,12 @@ def training_mesh(cfg: TrainConfig, devices=None):
     return mesh
 
 
-def compile_target(cfg: TrainConfig, devices) -> tuple:
-    """`(step, abstract arguments, mesh)`: the step a run of `cfg` compiles on `devices`, with shapes and shardings in
-    place of the weights, AdamW moments and batches (`jaxport dream train --compile-for`): `--model`'s config.json
-    or `--config`'s size, and the tokenizer's special ids; no weights or data read."""
+def compile_target(cfg: TrainConfig, mesh) -> tuple:
+    """`(step, abstract arguments)`: the step a run of `cfg` compiles on `mesh` (`training_mesh`), with shapes and
+    shardings in place of the weights, AdamW moments and batches (`jaxport dream train --compile-for`): `--model`'s
+    config.json or `--config`'s size, and the tokenizer's special ids; no weights or data read."""
     from jaxport.runtime.compile_for import abstract
 
-    mesh = training_mesh(cfg, devices)
     config, _, _ = config_and_tokenizer(cfg)
     dtype = compute_dtype(cfg, mesh)
     _, params = nnx.split(placed_abstract_model(config, "float32", mesh))
@@ -309,7 +316,7 @@ def compile_target(cfg: TrainConfig, devices) -> tuple:
         "response_mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=rows),
     }
     key = abstract(jax.eval_shape(lambda: jax.random.key(0)), replicated)
-    return step, (state, batch, key), mesh
+    return step, (state, batch, Hyper(key))
 
 
 def training_runtime(cfg: TrainConfig, mesh) -> runtime.Runtime:
@@ -383,7 +390,6 @@ def train(preset: str | None = None, **options) -> dict:
         if cfg.model
         else random_model(config, dtype="float32", mesh=mesh, seed=cfg.seed)
     )
-
     graphdef, params = nnx.split(model)
     compute_graphdef, _ = nnx.split(abstract_model(model.config, dtype, mesh))
     tx, schedule = optimizer(cfg)
@@ -391,13 +397,7 @@ def train(preset: str | None = None, **options) -> dict:
     train_step = make_train_step(
         compute_graphdef, tx, dtype, cfg.eps, jax.tree.map(lambda x: x.sharding, state), training_runtime(cfg, mesh)
     )
-
-    process, processes = jax.process_index(), jax.process_count()
-    local_rows = cfg.batch_size // processes  # each process feeds its own rows of every micro-batch
     batches = Batches(len(rows), cfg.batch_size * cfg.grad_accum, cfg.seed)
-    prompts = sample_prompts(rows, cfg.samples)
-    base_key = jax.random.key(cfg.seed)
-
     with Run(
         cfg.out_dir,
         config=dataclasses.asdict(cfg),
@@ -422,73 +422,73 @@ def train(preset: str | None = None, **options) -> dict:
             f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) {dict(mesh.shape)}; "
             f"the first step compiles"
         )
-        last = {"loss": None}
-
-        def read(step, metrics):  # a step's metrics, read while the next step runs
-            last["loss"] = float(metrics["loss"])
-            run.check_finite(step, last["loss"])
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                return {
-                    "train/loss": last["loss"],
-                    "train/grad_norm": float(metrics["grad_norm"]),
-                    "train/lr": float(schedule(step - 1)),
-                }
-            return None
-
-        for step in range(first + 1, cfg.steps + 1):
-            index = batches.next().reshape(cfg.grad_accum, cfg.batch_size)
-            index = index[:, process * local_rows : (process + 1) * local_rows]
-            args = (state, shard_batch(rows.take(index), mesh, batch_dim=-2), jax.random.fold_in(base_key, step))
-            state, metrics = train_step(*args)
-            run.record(step, {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}, read)
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                run.save(step, state, {"data": batches.state_dict(), "seed": cfg.seed})
-            if (cfg.sample_every and step % cfg.sample_every == 0 or step == cfg.steps) and prompts:
-                run.flush()  # this step's metrics come before its samples
-                log_samples(
-                    run,
-                    step,
-                    generate_samples(
-                        nnx.merge(graphdef, state.params), tokenizer, prompts, cfg.seq_len, cfg.sample_tokens
-                    ),
-                )
-        run.flush()
-        export_dir = Path(cfg.export_dir or Path(cfg.out_dir) / "hf")
-        save_pretrained(
-            nnx.merge(graphdef, state.params),
-            export_dir,
-            dtype=cfg.export_dtype or model.config.torch_dtype,
-            max_shard_size=cfg.max_shard_size,
-            tokenizer_dir=tokenizer_dir,
+        steps = _Steps(cfg, run, graphdef, batches, schedule, tokenizer, sample_prompts(rows, cfg.samples))
+        state = fit(
+            run,
+            lambda state, batch, hyper: train_step(state, shard_batch(batch, mesh, batch_dim=-2), hyper),
+            state,
+            steps.batches_of(rows, first),
+            hyper=lambda step: Hyper(jax.random.fold_in(steps.base_key, step)),
+            read=steps.read,
+            after=steps.hooks(),
         )
-        run.write(f"exported step {int(fetch_replicated(state.step))} to {export_dir}")
+        run.flush()
+        export_dir = _export(cfg, run, nnx.merge(graphdef, state.params), state, tokenizer_dir)
     png = Path(cfg.out_dir) / "learning_curves.png"
     return {
         "step": int(fetch_replicated(state.step)),
-        "loss": last["loss"],
+        "loss": steps.last_loss,
         "export_dir": str(export_dir),
         "learning_curves": str(png) if png.is_file() else None,
     }
 
 
-def export(
-    source: str | Path,
-    output_dir: str | Path,
-    *,
-    step: int | None = None,
-    dtype: str | None = None,
-    max_shard_size: str = "5GB",
-) -> Path:
-    """A Hugging Face directory from a training run folder (its newest intact checkpoint, or `step`) or from
-    another Hugging Face directory (to change the dtype or the shard size)."""
-    source = Path(source)
-    config = DreamConfig.from_model_dir(source)
-    model = abstract_model(config, jnp.float32, None)
-    restored = restore_params(source, nnx.state(model), step=step)
-    if restored is None:  # a Hugging Face directory
-        model = load_model(source, config, dtype="float32")
-    else:
-        nnx.update(model, restored[0])
-    return save_pretrained(
-        model, output_dir, dtype=dtype or config.torch_dtype, max_shard_size=max_shard_size, tokenizer_dir=source
-    )
+def _export(cfg: TrainConfig, run: Run, model, state: TrainState, tokenizer_dir) -> Path:
+    """The trained weights as a Hugging Face directory (`--export-dir`)."""
+    export_dir = Path(cfg.export_dir or Path(cfg.out_dir) / "hf")
+    dtype = cfg.export_dtype or model.config.torch_dtype
+    save_pretrained(model, export_dir, dtype=dtype, max_shard_size=cfg.max_shard_size, tokenizer_dir=tokenizer_dir)
+    run.write(f"exported step {int(fetch_replicated(state.step))} to {export_dir}")
+    return export_dir
+
+
+class _Steps:
+    """A run's batches and the work around its steps: the metrics logged, checkpoints and samples."""
+
+    def __init__(self, cfg: TrainConfig, run: Run, graphdef, batches: Batches, schedule, tokenizer, prompts):
+        self.cfg, self.run, self.graphdef, self.batches, self.schedule = cfg, run, graphdef, batches, schedule
+        self.tokenizer, self.prompts = tokenizer, prompts
+        self.base_key, self.last_loss = jax.random.key(cfg.seed), None
+
+    def batches_of(self, rows: Rows, first: int):
+        """(step, this process's rows of its micro-batches [accum, B / processes, L]) from step `first + 1` on."""
+        cfg, process = self.cfg, jax.process_index()
+        local_rows = cfg.batch_size // jax.process_count()  # each process feeds its own rows of every micro-batch
+        for step in range(first + 1, cfg.steps + 1):
+            index = self.batches.next().reshape(cfg.grad_accum, cfg.batch_size)
+            yield step, rows.take(index[:, process * local_rows : (process + 1) * local_rows])
+
+    def read(self, step: int, metrics: dict) -> dict | None:
+        """A step's metrics, read while the next step runs (its loss checked): what to log at `log_every`."""
+        self.last_loss = float(metrics["loss"])
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            return {
+                "train/loss": self.last_loss,
+                "train/grad_norm": float(metrics["grad_norm"]),
+                "train/lr": float(self.schedule(step - 1)),
+            }
+        return None
+
+    def hooks(self) -> list:
+        cfg = self.cfg
+        save = every(cfg.save_every, self.save, last=cfg.steps)
+        return [save, every(cfg.sample_every, self.sample, last=cfg.steps)] if self.prompts else [save]
+
+    def save(self, step: int, state: TrainState) -> None:
+        self.run.save(step, state, {"data": self.batches.state_dict(), "seed": self.cfg.seed})
+
+    def sample(self, step: int, state: TrainState) -> None:
+        self.run.flush()  # this step's metrics come before its samples
+        model, cfg = nnx.merge(self.graphdef, state.params), self.cfg
+        samples = generate_samples(model, self.tokenizer, self.prompts, cfg.seq_len, cfg.sample_tokens)
+        log_samples(self.run, step, samples)

@@ -101,18 +101,15 @@ def compile_train(cfg: dict, slice_name: str) -> int:
     import jax
 
     from jaxport.gpt import train
-    from jaxport.gpt.data import load_meta
     from jaxport.runtime.compile_for import Program, compile_for
-
-    meta = load_meta(train.data_folder(cfg) / "meta.pkl")
-    vocab = int(meta["vocab_size"]) if meta else None
 
     def build(devices, fsdp=cfg["fsdp"], batch=cfg["batch_size"]):
         run = {**cfg, "fsdp": fsdp, "batch_size": batch}
         run["gradient_accumulation_steps"] = cfg["gradient_accumulation_steps"] * cfg["batch_size"] // batch
-        step, args, mesh = train.compile_target(run, devices, vocab)
+        mesh = train.training_mesh(run, devices)
+        step, args = train.compile_target(run, mesh)
         accum = train.micro_steps(run, len(devices))
-        params = sum(x.size for x in jax.tree.leaves(args[0]))
+        params = sum(x.size for x in jax.tree.leaves(args[0].params))
         title = (
             f"jaxport gpt train: one iteration of a {params / 1e6:.0f}M-parameter GPT ({cfg['init_from']}), "
             f"{accum} micro-step(s) of {batch} x {cfg['block_size']} tokens per device, "

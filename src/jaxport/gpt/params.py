@@ -9,10 +9,13 @@ This module maps names and reads files; building a model from them is `jaxport.g
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -288,3 +291,54 @@ def torch_adamw_state_dict(
         {**group, "weight_decay": 0.0, "params": list(range(len(decay), len(decay) + len(nodecay)))},
     ]
     return {"state": state, "param_groups": groups}
+
+
+def adam_state(opt_state):
+    """The `optax.ScaleByAdamState` (mu, nu, count) inside an AdamW state."""
+    import optax
+
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    return next(x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x))
+
+
+def with_torch_moments(opt_state, moments: tuple):
+    """`opt_state` holding a ckpt.pt's AdamW moments: torch's exp_avg, exp_avg_sq and step are optax's mu, nu and
+    count (`moments` as `torch_adamw_to_moments` gives them, without the groups)."""
+    mu, nu, step = moments
+    adam = adam_state(opt_state)._replace(
+        count=jnp.asarray(step, jnp.int32),
+        mu=named_to_tree({k: jnp.asarray(v) for k, v in mu.items()}),
+        nu=named_to_tree({k: jnp.asarray(v) for k, v in nu.items()}),
+    )
+    return opt_state._replace(inner_state=(adam, *opt_state.inner_state[1:]))
+
+
+def nanogpt_checkpoint(params, opt_state, config: GPTConfig, adamw: tuple, train_config: dict, **at) -> dict:
+    """The dict nanoGPT's train.py saves as ckpt.pt (every array gathered to this host: a collective). `adamw` is
+    (betas, eps, weight_decay); `at` gives iter_num, best_val_loss and lr."""
+    from jaxport.distributed import gather_to_host
+
+    adam = adam_state(opt_state)
+    params, mu, nu, step = gather_to_host((params, adam.mu, adam.nu, adam.count))
+    # an OrderedDict, as nanoGPT's model.state_dict() is
+    model_sd = collections.OrderedDict((k, np.asarray(v, np.float32)) for k, v in tree_to_named(params, config).items())
+    model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]
+    mu, nu = tree_to_named(mu, config), tree_to_named(nu, config)
+    return {
+        "model": model_sd,
+        "optimizer": torch_adamw_state_dict(mu, nu, int(step), config, at["lr"], *adamw),
+        "model_args": config.to_model_args(),
+        "iter_num": int(at["iter_num"]),
+        "best_val_loss": np.asarray(at["best_val_loss"], np.float32),
+        "config": train_config,
+    }
+
+
+def write_nanogpt_checkpoint(trainer, out_dir: Path, iter_num: int, best_val_loss: float, lr: float) -> None:
+    """nanoGPT's ckpt.pt of a `jaxport.gpt.train.Trainer` (every array gathered to one host), written atomically by
+    process 0."""
+    from jaxport.checkpoint import save_torch_file
+
+    ckpt = trainer.checkpoint(iter_num, best_val_loss, lr)  # a collective: every process
+    if jax.process_index() == 0:
+        save_torch_file(ckpt, Path(out_dir) / "ckpt.pt")

@@ -16,14 +16,10 @@ the first process writes the checkpoint and logs.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
-import importlib
-import math
-import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,15 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxport import runtime
 from jaxport.checkpoint import torch_available
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.distributed import (
-    fetch_replicated,
-    gather_to_host,
-    logical_sharding,
-    make_mesh,
-    replicate,
-    shard_batch,
-    tree_shardings,
-)
+from jaxport.distributed import fetch_replicated, logical_sharding, make_mesh, replicate, shard_batch, tree_shardings
 from jaxport.dtypes import float_dtype
 from jaxport.errors import JaxportError
 from jaxport.gpt import params as gpt_params
@@ -53,18 +41,11 @@ from jaxport.gpt.data import Batches, load_meta
 from jaxport.gpt.model import GPT, Checkpoint, estimate_mfu, load_checkpoint
 from jaxport.runtime.compile_for import abstract
 from jaxport.runtime.topologies import device_peak_flops
-from jaxport.training.metrics_log import pyplot
+from jaxport.training.loop import ImportAhead, fit
 from jaxport.training.optimizers import moment_shardings
 from jaxport.training.run import CHECKPOINT_SUBDIR, Run, restore_params, run_checkpoints
-from jaxport.training.step import (  # noqa: F401 (LOSS_SCALE_GROWTH_INTERVAL: GPT's public name)
-    LOSS_SCALE_GROWTH_INTERVAL,
-    accumulate_gradients,
-    clip_by_global_norm,
-    decay_mask,
-    initial_loss_scale,
-    next_loss_scale,
-    skip_unless_finite,
-)
+from jaxport.training.schedules import nanogpt_lr
+from jaxport.training.step import accumulate_gradients, apply_gradients, decay_mask, initial_loss_scale
 from jaxport.typed_config import validate
 
 # nanoGPT train.py's globals, same names and defaults (GPT-2 124M on OpenWebText).
@@ -107,7 +88,6 @@ DEFAULTS = dict(
 # checkpoints every N iterations besides nanoGPT's eval-time saves, and how many of them to keep
 # (the newest keep_last, plus every keep_every-th iteration).
 EXTRA = dict(data_dir="data", seed=1337, progress=True, fsdp=1, checkpoint_interval=None, keep_last=3, keep_every=None)
-# torch.amp.GradScaler's defaults, which nanoGPT uses for float16
 Rate = pydantic.confloat(ge=0, allow_inf_nan=False)
 Fraction = pydantic.confloat(ge=0, lt=1)
 
@@ -190,15 +170,14 @@ def compute_dtype(dtype: str, platform: str):
 
 
 def get_lr(it: int, cfg: TrainSettings | dict) -> float:
-    """Linear warmup, cosine decay to min_lr at lr_decay_iters, then min_lr (train.py's get_lr)."""
+    """The learning rate of iteration `it`: nanoGPT's `get_lr` with --decay_lr, else --learning_rate."""
     cfg = train_settings(cfg)
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    if it > cfg.lr_decay_iters:
-        return cfg.min_lr
-    decay_ratio = (it - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
-    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    return nanogpt_lr(
+        it, learning_rate=cfg.learning_rate, warmup_iters=cfg.warmup_iters, lr_decay_iters=cfg.lr_decay_iters,
+        min_lr=cfg.min_lr,
+    )  # fmt: skip
 
 
 def select_devices(device: str) -> list:
@@ -278,6 +257,30 @@ def initial_model(
     return model, ckpt
 
 
+class TrainState(NamedTuple):
+    """What a step updates: the weights, the AdamW state and float16's loss scale (scale, finite steps in a row)."""
+
+    params: dict
+    opt_state: optax.OptState
+    loss_scale: tuple
+
+
+class Hyper(NamedTuple):
+    """What the host computes for an iteration: its learning rate (nanoGPT's float64 `get_lr`, as float32) and the
+    iteration number its dropout key is drawn for."""
+
+    lr: np.float32
+    draw: np.int32
+
+
+def training_mesh(cfg: TrainSettings | dict, devices):
+    """The run's mesh over `devices`: the batch split over all of them, the 2-D weights over `--fsdp` of them."""
+    fsdp = train_settings(cfg).fsdp
+    if fsdp < 1 or len(devices) % fsdp:
+        raise JaxportError(f"--fsdp={fsdp} does not divide the {len(devices)} devices")
+    return make_mesh(fsdp=fsdp, devices=devices)
+
+
 class Trainer:
     """Model, optimizer state and the compiled steps of one run (init_from scratch/resume/gpt2*)."""
 
@@ -286,14 +289,8 @@ class Trainer:
     ):
         """`resume_meta`: the meta of a jaxport run's orbax checkpoint, whose state `load_state` restores."""
         self.cfg = cfg = train_settings(cfg)
-        devices = select_devices(cfg.device) if devices is None else devices
-        fsdp = cfg.fsdp
-        if fsdp < 1 or len(devices) % fsdp:
-            raise JaxportError(f"--fsdp={fsdp} does not divide the {len(devices)} devices")
-        self.mesh = make_mesh(fsdp=fsdp, devices=devices)
-        self.dtype = compute_dtype(cfg.dtype, devices[0].platform)
-        # float16 needs dynamic loss scaling, as nanoGPT's GradScaler: (scale, finite steps in a row)
-        self.loss_scale = initial_loss_scale(self.dtype == jnp.float16)
+        self.mesh = training_mesh(cfg, select_devices(cfg.device) if devices is None else devices)
+        self.dtype = compute_dtype(cfg.dtype, self.mesh.devices.flat[0].platform)
         model, ckpt = initial_model(cfg, vocab_size, resume_meta and resume_meta["model_args"])
         self.iter_num, self.best_val_loss = (ckpt.iter_num, ckpt.best_val_loss) if ckpt else (0, 1e9)
         betas, eps, wd = (cfg.beta1, cfg.beta2), 1e-8, cfg.weight_decay
@@ -314,31 +311,17 @@ class Trainer:
         param_shardings = tree_shardings(params, self.mesh, gpt_params.logical_axes)
         self.params = jax.device_put(params, param_shardings)
         self.opt_state = jax.jit(self.optimizer.init)(self.params)
-        if moments is not None:  # torch's exp_avg, exp_avg_sq and step are optax's mu, nu and count
-            mu, nu, step = moments
-            adam = self.adam_state()._replace(
-                count=jnp.asarray(step, jnp.int32),
-                mu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in mu.items()}),
-                nu=gpt_params.named_to_tree({k: jnp.asarray(v) for k, v in nu.items()}),
-            )
-            self.opt_state = self.opt_state._replace(inner_state=(adam, *self.opt_state.inner_state[1:]))
+        if moments is not None:
+            self.opt_state = gpt_params.with_torch_moments(self.opt_state, moments)
         self.opt_state = jax.device_put(
             self.opt_state, moment_shardings(self.optimizer, self.opt_state, param_shardings, self.mesh)
         )
-        self.loss_scale = replicate(self.loss_scale, self.mesh)
-        state_shardings = jax.tree.map(lambda x: x.sharding, (self.params, self.opt_state, self.loss_scale))
+        # float16 needs dynamic loss scaling, as nanoGPT's GradScaler: (scale, finite steps in a row)
+        self.loss_scale = replicate(initial_loss_scale(self.dtype == jnp.float16), self.mesh)
+        state_shardings = jax.tree.map(lambda x: x.sharding, self.train_state())
         # batch_size is per device (nanoGPT's DDP rule)
         self.runtime = runtime.for_devices(self.mesh).for_program(self.dtype, cfg.batch_size * cfg.block_size)
-        self._step = _make_train_step(
-            self.graphdef,
-            self.optimizer,
-            cfg.grad_clip,
-            cfg.dropout > 0,
-            state_shardings,
-            loss_scaling=self.dtype == jnp.float16,
-            step_runtime=self.runtime,
-            seed=cfg.seed,
-        )
+        self._step = _make_train_step(self.graphdef, self.optimizer, cfg, state_shardings, self.dtype, self.runtime)
         self._eval = _make_eval_step(self.graphdef, self.runtime, self.mesh)
 
     @property
@@ -350,12 +333,18 @@ class Trainer:
     def model(self) -> GPT:
         return nnx.merge(self.graphdef, self.params)
 
+    def train_state(self) -> TrainState:
+        return TrainState(self.params, self.opt_state, self.loss_scale)
+
+    def load(self, state: TrainState) -> None:
+        self.params, self.opt_state, self.loss_scale = state
+
     # -- the run's own (orbax) checkpoints: the whole train state, sharded as it lives on the devices
     def state(self) -> dict:
-        return {"params": self.params, "opt_state": self.opt_state, "loss_scale": self.loss_scale}
+        return self.train_state()._asdict()
 
     def load_state(self, state: dict) -> None:
-        self.params, self.opt_state, self.loss_scale = state["params"], state["opt_state"], state["loss_scale"]
+        self.load(TrainState(**state))
 
     def checkpoint_meta(self, iter_num: int, best_val_loss: float) -> dict:
         """What resuming needs beside the arrays (JSON)."""
@@ -367,68 +356,51 @@ class Trainer:
             "adamw": [list(self.betas), self.eps, self.weight_decay],
         }
 
-    def _shard(self, *arrays):
+    def _shard(self, *arrays) -> tuple:
         """Rows ([..., B, T]) over the mesh. With several processes, `arrays` are this process's rows."""
         n = self.mesh.devices.size // jax.process_count()
         for a in arrays:
             if a.shape[-2] % n:
                 raise JaxportError(f"batch of {a.shape[-2]} rows is not divisible by the {n} devices of the mesh")
-        return shard_batch([np.asarray(a, np.int32) for a in arrays], self.mesh, batch_dim=-2)
+        return tuple(shard_batch([np.asarray(a, np.int32) for a in arrays], self.mesh, batch_dim=-2))
+
+    def run_step(self, state: TrainState, batch: tuple, hyper: Hyper) -> tuple:
+        """The compiled step on host micro-batches `batch` = (X, Y) [accum, B, T]: (state, metrics), device arrays."""
+        return self._step(state, self._shard(*batch), hyper)
 
     def step(self, X, Y, lr: float, draw: int = 0):
         """One iteration on micro-batches X, Y [accum, B, T] with the dropout key of iteration `draw`: returns
         (micro losses, grad norm) as device arrays (reading them waits for the step). The arguments go in as
         numpy values: an eager `jnp` conversion or key would wait for the step before it."""
-        args = self.step_args(X, Y, lr, draw)
-        self.params, self.opt_state, self.loss_scale, losses, norm = self._step(*args)
-        return losses, norm
+        state, metrics = self._step(*self.step_args(X, Y, lr, draw))
+        self.load(state)
+        return metrics["loss"], metrics["grad_norm"]
 
     def step_args(self, X, Y, lr: float, draw: int = 0) -> tuple:
-        """The compiled step's arguments for `step(X, Y, lr, draw)`."""
-        return (self.params, self.opt_state, self.loss_scale, *self._shard(X, Y), np.float32(lr), np.int32(draw))
+        """The compiled step's arguments `(state, batch, hyper)` for `step(X, Y, lr, draw)`."""
+        return self.train_state(), self._shard(X, Y), Hyper(np.float32(lr), np.int32(draw))
 
     def eval_losses(self, X, Y):
         """The losses of batches X, Y [n, B, T] (device array, one per batch)."""
         return self._eval(self.params, *self._shard(X, Y))
 
     def adam_state(self) -> optax.ScaleByAdamState:
-        is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
-        return next(x for x in jax.tree.leaves(self.opt_state, is_leaf=is_adam) if is_adam(x))
+        return gpt_params.adam_state(self.opt_state)
 
     def checkpoint(self, iter_num: int, best_val_loss: float, lr: float) -> dict:
         """The dict nanoGPT's train.py saves as ckpt.pt."""
-        adam = self.adam_state()
-        params, mu, nu, step = gather_to_host((self.params, adam.mu, adam.nu, adam.count))
-        cfg = self.model_config
-        # an OrderedDict, as nanoGPT's model.state_dict() is
-        model_sd = collections.OrderedDict(
-            (k, np.asarray(v, np.float32)) for k, v in gpt_params.tree_to_named(params, cfg).items()
-        )
-        model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]
-        optimizer = gpt_params.torch_adamw_state_dict(
-            gpt_params.tree_to_named(mu, cfg),
-            gpt_params.tree_to_named(nu, cfg),
-            int(step),
-            cfg,
-            lr,
-            self.betas,
-            self.eps,
-            self.weight_decay,
-        )
-        return {
-            "model": model_sd,
-            "optimizer": optimizer,
-            "model_args": cfg.to_model_args(),
-            "iter_num": int(iter_num),
-            "best_val_loss": np.asarray(best_val_loss, np.float32),
-            "config": self.cfg.as_dict(),
-        }
+        adamw_hyper = (self.betas, self.eps, self.weight_decay)
+        return gpt_params.nanogpt_checkpoint(
+            self.params, self.opt_state, self.model_config, adamw_hyper, self.cfg.as_dict(),
+            iter_num=iter_num, best_val_loss=best_val_loss, lr=lr,
+        )  # fmt: skip
 
 
-def _make_train_step(
-    graphdef, optimizer, grad_clip: float, dropout: bool, state_shardings, loss_scaling: bool, step_runtime, seed
-):
+def _make_train_step(graphdef, optimizer, cfg: TrainSettings, state_shardings, dtype, step_runtime):
+    """`step(state, batch, hyper) -> (state, metrics)`: all micro-batches of an iteration, jitted under
+    `step_runtime` with the state donated."""
     mesh = jax.tree.leaves(state_shardings)[0].mesh
+    dropout, loss_scaling, seed = cfg.dropout > 0, dtype == jnp.float16, cfg.seed
 
     def loss_fn(params, x, y, rng):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the model places its activations on it
@@ -436,14 +408,13 @@ def _make_train_step(
 
     # outputs keep the inputs' shardings, so the next call reuses this compilation
     @functools.partial(
-        runtime.jit_training_step,
-        runtime=step_runtime,
-        donate_argnums=(0, 1),
-        out_shardings=(*state_shardings, None, None),
+        runtime.jit_training_step, runtime=step_runtime, donate_argnums=0, out_shardings=(state_shardings, None)
     )
-    def step(params, opt_state, loss_scale, X, Y, lr, draw):
+    def step(state: TrainState, batch: tuple, hyper: Hyper):
+        params, opt_state, loss_scale = state
+        X, Y = batch
         # the dropout key of iteration `draw`, made here: made on the host, it waited for the step before it
-        rng = jax.random.fold_in(jax.random.key(seed), draw)
+        rng = jax.random.fold_in(jax.random.key(seed), hyper.draw)
         accum = X.shape[0]
         scale = loss_scale[0]
 
@@ -452,18 +423,12 @@ def _make_train_step(
             return loss / accum * scale, loss
 
         grads, losses = accumulate_gradients(objective, params, (X, Y), jax.random.split(rng, accum))
-        if loss_scaling:
-            grads = jax.tree.map(lambda g: g / scale, grads)
-        grads, norm = clip_by_global_norm(grads, grad_clip)
-        opt_state.hyperparams["learning_rate"] = lr
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        if loss_scaling:  # GradScaler: skip steps with inf/nan gradients, halve or grow the scale
-            finite = jnp.isfinite(norm)
-            new_params = skip_unless_finite(finite, new_params, params)
-            new_opt_state = skip_unless_finite(finite, new_opt_state, opt_state)
-            loss_scale = next_loss_scale(loss_scale, finite)
-        return new_params, new_opt_state, loss_scale, losses, norm
+        scaled = loss_scale if loss_scaling else None  # float16's GradScaler skips steps whose gradients overflow
+        params, opt_state, scaled, norm = apply_gradients(
+            optimizer, grads, opt_state, params, lr=hyper.lr, grad_clip=cfg.grad_clip, loss_scale=scaled
+        )
+        state = TrainState(params, opt_state, scaled if loss_scaling else loss_scale)
+        return state, {"loss": losses, "grad_norm": norm}
 
     return step
 
@@ -476,9 +441,6 @@ def _make_eval_step(graphdef, step_runtime, mesh):
             return jax.lax.map(lambda xy: model.forward(*xy)[1], (X_NBT, Y_NBT))
 
     return evaluate
-
-
-# -- the training loop -------------------------------------------------------------------------
 
 
 def micro_steps(cfg: TrainSettings | dict, world: int) -> int:
@@ -494,24 +456,22 @@ def micro_steps(cfg: TrainSettings | dict, world: int) -> int:
     return accum // world
 
 
-def compile_target(cfg: TrainSettings | dict, devices, vocab_size: int | None = None) -> tuple:
-    """`(step, abstract arguments, mesh)`: the iteration `Trainer.step` runs for `cfg` on `devices`, with shapes and
-    shardings in place of weights and batches (`jaxport gpt train --compile-for`). The model comes from the flags'
-    sizes (init_from=scratch) or a GPT-2 name's."""
+def compile_target(cfg: TrainSettings | dict, mesh) -> tuple:
+    """`(step, abstract arguments)`: the iteration `Trainer.step` runs for `cfg` on `mesh` (`training_mesh`), with
+    shapes and shardings in place of weights and batches (`jaxport gpt train --compile-for`). The model comes from
+    the flags' sizes (init_from=scratch, the dataset's meta.pkl giving the vocabulary) or a GPT-2 name's."""
     cfg = train_settings(cfg)
-    world, fsdp = len(devices), cfg.fsdp
+    world = mesh.devices.size
     accum = micro_steps(cfg, world)
-    if fsdp < 1 or world % fsdp:
-        raise JaxportError(f"--fsdp={fsdp} does not divide the {world} devices")
-    mesh = make_mesh(fsdp=fsdp, devices=devices)
-    dtype = compute_dtype(cfg.dtype, devices[0].platform)
+    dtype = compute_dtype(cfg.dtype, mesh.devices.flat[0].platform)
     init_from = cfg.init_from
     if init_from in gpt_params.GPT2_SIZES:  # GPT-2's own block (cropped as initial_model does), vocabulary, biases
         config = GPTConfig(
             **gpt_params.GPT2_SIZES[init_from], block_size=cfg.block_size, vocab_size=50257, dropout=cfg.dropout
         )
     elif init_from == "scratch":
-        config = scratch_config(cfg, vocab_size)
+        meta = load_meta(data_folder(cfg) / "meta.pkl")
+        config = scratch_config(cfg, int(meta["vocab_size"]) if meta else None)
     else:
         raise JaxportError(
             f"--init_from={init_from}: --compile-for builds the model from its sizes; use --init_from=scratch with "
@@ -525,41 +485,21 @@ def compile_target(cfg: TrainSettings | dict, devices, vocab_size: int | None = 
     opt_state = jax.eval_shape(optimizer.init, params)
     param_shardings = tree_shardings(params, mesh, gpt_params.logical_axes)
     replicated = NamedSharding(mesh, PartitionSpec())
-    state_shardings = (
-        param_shardings,
-        moment_shardings(optimizer, opt_state, param_shardings, mesh),
-        (replicated, replicated),
-    )
+    moments = moment_shardings(optimizer, opt_state, param_shardings, mesh)
+    state_shardings = TrainState(param_shardings, moments, (replicated, replicated))
     loss_scale = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
-    state = abstract((params, opt_state, loss_scale), state_shardings)
+    state = abstract(TrainState(params, opt_state, loss_scale), state_shardings)
     rows = logical_sharding(mesh, None, "batch", None)  # as shard_batch places [accum, B, T] micro-batches
     batch = jax.ShapeDtypeStruct((accum, cfg.batch_size * world, cfg.block_size), jnp.int32, sharding=rows)
-    step = _make_train_step(
-        graphdef,
-        optimizer,
-        cfg.grad_clip,
-        cfg.dropout > 0,
-        state_shardings,
-        loss_scaling=dtype == jnp.float16,
-        step_runtime=runtime.for_devices(mesh).for_program(dtype, cfg.batch_size * cfg.block_size),
-        seed=cfg.seed,
-    )
-    scalars = [jax.ShapeDtypeStruct((), t, sharding=replicated) for t in (jnp.float32, jnp.int32)]
-    return step, (*state, batch, batch, *scalars), mesh
+    step_runtime = runtime.for_devices(mesh).for_program(dtype, cfg.batch_size * cfg.block_size)
+    step = _make_train_step(graphdef, optimizer, cfg, state_shardings, dtype, step_runtime)
+    hyper = Hyper(*[jax.ShapeDtypeStruct((), t, sharding=replicated) for t in (jnp.float32, jnp.int32)])
+    return step, (state, (batch, batch), hyper)
 
 
 def data_folder(cfg: TrainSettings | dict) -> Path:
     cfg = train_settings(cfg)
     return Path(cfg.data_dir) / cfg.dataset
-
-
-def write_nanogpt_checkpoint(trainer: Trainer, out_dir: Path, iter_num: int, best_val_loss: float, lr: float) -> None:
-    """nanoGPT's ckpt.pt (every array gathered to one host), written atomically by process 0."""
-    from jaxport.checkpoint import save_torch_file
-
-    ckpt = trainer.checkpoint(iter_num, best_val_loss, lr)  # a collective: every process
-    if jax.process_index() == 0:
-        save_torch_file(ckpt, out_dir / "ckpt.pt")
 
 
 def restore_trainer(checkpoints, run_config, devices, vocab_size: int | None = None) -> Trainer | None:
@@ -613,41 +553,16 @@ def export(out_dir, device: str = "cpu") -> Path:
             f"{out_dir} has no jaxport checkpoints to export (expected {out_dir / CHECKPOINT_SUBDIR}, "
             f"written by `jaxport gpt train`)"
         )
-    cfg = trainer.cfg
-    lr = get_lr(trainer.iter_num, cfg) if cfg.decay_lr else cfg.learning_rate
-    write_nanogpt_checkpoint(trainer, out_dir, trainer.iter_num, trainer.best_val_loss, lr)
+    lr = get_lr(trainer.iter_num, trainer.cfg)
+    gpt_params.write_nanogpt_checkpoint(trainer, out_dir, trainer.iter_num, trainer.best_val_loss, lr)
     return out_dir / "ckpt.pt"
 
 
-class ImportAhead:
-    """Imports on a thread what the run needs later, so that its first save and its close do not wait for it:
-    matplotlib (the learning curves drawn at close) and the modules named (torch, for nanoGPT's ckpt.pt).
-
-    Called once the first step has compiled: while a step is traced the import's Python holds the GIL the tracer
-    needs, while a compiled step runs without it (docs/performance.md, "Host work around the README run's steps").
-    Calls after the first do nothing, so the loop calls it after every step. A module that fails to import fails
-    again where it is used. Only the process that writes files imports (`enabled`)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled, self.thread = enabled, None
-
-    def __call__(self, *modules: str) -> None:
-        if not self.enabled or self.thread is not None:
-            return
-
-        def import_all():
-            with contextlib.suppress(Exception):
-                pyplot()
-            for module in modules:
-                with contextlib.suppress(Exception):
-                    importlib.import_module(module)
-
-        self.thread = threading.Thread(target=import_all, name="jaxport-import-ahead", daemon=True)
-        self.thread.start()
+# -- the training loop -------------------------------------------------------------------------
 
 
 def train(cfg: TrainSettings | dict) -> dict:
-    """`jaxport gpt train`: nanoGPT's loop. Returns the last losses.
+    """`jaxport gpt train`: nanoGPT's loop on `jaxport.training.loop.fit`. Returns the last losses.
 
     Besides nanoGPT's ckpt.pt (single-process runs), the run keeps orbax checkpoints in
     out_dir/jaxport_checkpoints (at every evaluation that nanoGPT would save at, and every
@@ -659,19 +574,16 @@ def train(cfg: TrainSettings | dict) -> dict:
     data_dir = data_folder(cfg)
     local_rows = cfg.batch_size * world // jax.process_count()  # each process loads its own rows
     batches = Batches(data_dir, cfg.block_size, local_rows, seed=cfg.seed + jax.process_index())
-    master = jax.process_index() == 0  # the one that prints and writes files
-    echo = print if master else (lambda *args, **kwargs: None)
+    echo = print if jax.process_index() == 0 else (lambda *args, **kwargs: None)  # the first process prints
     meta = load_meta(data_dir / "meta.pkl")
     meta_vocab = int(meta["vocab_size"]) if meta else None
     if meta_vocab is not None:
         echo(f"found vocab_size = {meta_vocab} (inside {data_dir / 'meta.pkl'})")
-    out_dir = Path(cfg.out_dir)
     echo(f"tokens per iteration will be: {accum * world * cfg.batch_size * cfg.block_size:,}")
-    loggers = ["jsonl", "wandb"] if cfg.wandb_log else ["jsonl"]
     run = Run(
-        out_dir,
+        Path(cfg.out_dir),
         total_steps=cfg.max_iters,
-        loggers=loggers,
+        loggers=["jsonl", "wandb"] if cfg.wandb_log else ["jsonl"],
         keep_last=cfg.keep_last,
         keep_every=cfg.keep_every,
         project=cfg.wandb_project,
@@ -681,125 +593,130 @@ def train(cfg: TrainSettings | dict) -> dict:
         read_every=cfg.log_interval,  # read at log and save points, as nanoGPT's loop reads its loss
     )
     with run:
-        return _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo)
+        trainer = _start(cfg, run, devices, meta_vocab, echo)
+        loop = _Iterations(cfg, run, trainer, batches)
+        if cfg.eval_only and trainer.iter_num == 0:
+            loop.top(0, trainer.train_state())
+        else:
+            draws = range(trainer.iter_num, cfg.max_iters + 1)  # nanoGPT's loop ends after iteration max_iters
+            numbered = ((it, batches.get("train", (accum,), draw=it)) for it in draws)
+            hyper = lambda it: Hyper(np.float32(get_lr(it, cfg)), np.int32(it))  # noqa: E731
+            state = fit(
+                run, trainer.run_step, trainer.train_state(), numbered, hyper=hyper, read=loop.read,
+                before=[loop.top], after=[loop.after], draw_ahead=True,  # the batches are keyed by iteration
+            )  # fmt: skip
+            trainer.load(state)
+        run.flush()
+        return loop.last
 
 
-def _train_loop(cfg, run, batches, devices, meta_vocab, accum, echo) -> dict:
-    out_dir, master = Path(cfg.out_dir), jax.process_index() == 0
-    trainer = None
+def _start(cfg: TrainSettings, run: Run, devices, meta_vocab: int | None, echo) -> Trainer:
+    """The run's Trainer (resumed: jaxport's own checkpoints first, a nanoGPT run has only ckpt.pt), announced."""
+    out_dir, trainer = Path(cfg.out_dir), None
     if cfg.init_from == "resume":
         echo(f"Resuming training from {out_dir}")
-        # jaxport's own checkpoints first; a nanoGPT run has only ckpt.pt
         trainer = restore_trainer(run.checkpoints, lambda meta: cfg, devices, meta_vocab)
     if trainer is None:
         trainer = Trainer(cfg, vocab_size=meta_vocab, devices=devices)
-    model = trainer.model
-    echo(f"number of parameters: {model.get_num_params() / 1e6:.2f}M")
+    echo(f"number of parameters: {trainer.model.get_num_params() / 1e6:.2f}M")
     echo(
         f"compute dtype {jnp.dtype(trainer.dtype).name} on {trainer.mesh.devices.size} "
         f"{trainer.mesh.devices.flat[0].platform} device(s); the first step compiles"
     )
-    peak, kind = device_peak_flops(trainer.mesh.devices.flat[0])
-    mfu_params = model.get_num_params()
-    if master:
+    if jax.process_index() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         meta_pkl = data_folder(cfg) / "meta.pkl"
         if meta_pkl.exists():  # so sampling from out_dir needs no data folder
             (out_dir / "meta.pkl").write_bytes(meta_pkl.read_bytes())
-    iter_num, best_val_loss = trainer.iter_num, trainer.best_val_loss
-    run.start_logging(iter_num)
-    say = run.write
+    run.start_logging(trainer.iter_num)
+    return trainer
 
-    def estimate_loss():
+
+class _Iterations:
+    """nanoGPT's work around each iteration's step: evaluation and saves at its top, the log line after it."""
+
+    def __init__(self, cfg: TrainSettings, run: Run, trainer: Trainer, batches: Batches):
+        self.cfg, self.run, self.trainer, self.batches = cfg, run, trainer, batches
+        self.best_val_loss, self.last = trainer.best_val_loss, {}
+        self.peak, self.kind = device_peak_flops(trainer.mesh.devices.flat[0])
+        self.mfu_params = trainer.model.get_num_params()
+        self.loss_scaling = trainer.dtype == jnp.float16  # float16's GradScaler skips steps whose gradients overflow
+        saves = cfg.max_iters >= cfg.eval_interval or cfg.checkpoint_interval
+        self.import_ahead = ImportAhead(enabled=run.is_main)
+        # torch, for ckpt.pt
+        self.later_imports = ["torch"] if saves and jax.process_count() == 1 and torch_available() else []
+        self.warned_no_torch, self.read_out = False, None
+        self.t0, self.steps_timed, self.local_iter_num, self.running_mfu = time.time(), 0, 0, -1.0
+
+    def top(self, it: int, state: TrainState) -> None:
+        """Before iteration `it`: evaluate at `eval_interval` (saving if the loss improved, or always), else save
+        at `checkpoint_interval`."""
+        self.trainer.load(state)
+        cfg, lr = self.cfg, get_lr(it, self.cfg)
+        if it % cfg.eval_interval == 0:
+            losses = self.estimate_loss(it)
+            self.run.write(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            for split, value in losses.items():  # checked before the save below
+                self.run.check_finite(it, value, what=f"the {split} loss of the evaluation")
+            self.run.log(it, {"iter": it, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr})
+            self.last.update(losses)
+            if losses["val"] < self.best_val_loss or cfg.always_save_checkpoint:
+                self.best_val_loss = losses["val"]
+                if it > 0:
+                    self.save(it, lr)
+        elif cfg.checkpoint_interval and it % cfg.checkpoint_interval == 0:
+            self.save(it, lr)
+
+    def estimate_loss(self, it: int) -> dict:
         out = {}
         for split in ("train", "val"):
-            X, Y = batches.get(split, (cfg.eval_iters,), draw=iter_num, purpose="eval")
-            out[split] = float(np.mean(fetch_replicated(trainer.eval_losses(X, Y))))
+            X, Y = self.batches.get(split, (self.cfg.eval_iters,), draw=it, purpose="eval")
+            out[split] = float(np.mean(fetch_replicated(self.trainer.eval_losses(X, Y))))
         return out
 
-    loss_scaling = trainer.dtype == jnp.float16  # float16's GradScaler skips steps whose gradients overflow
-
-    def check_step(it, outputs):
-        """Stop at the first non-finite loss or gradient norm, before any later checkpoint is written (read at
-        log and save points only, in one transfer: `Run.record`)."""
-        losses, norm = outputs
-        run.check_finite(it, losses)  # every micro-step's
-        if not loss_scaling:
-            run.check_finite(it, norm, what="the gradient norm")
-
-    warned_no_torch = []
-
-    def save(lr):
-        # the batches are keyed by iteration (see Batches), so iter_num is the data position too
-        run.save(iter_num, trainer.state(), trainer.checkpoint_meta(iter_num, best_val_loss))
-        say(f"saving checkpoint to {out_dir}")
+    def save(self, it: int, lr: float) -> None:
+        out_dir, trainer = Path(self.cfg.out_dir), self.trainer
+        # the batches are keyed by iteration (see Batches), so the iteration is the data position too
+        self.run.save(it, trainer.state(), trainer.checkpoint_meta(it, self.best_val_loss))
+        self.run.write(f"saving checkpoint to {out_dir}")
         if jax.process_count() > 1:
             return  # ckpt.pt needs every array on one host: `jaxport gpt export` writes it on request
         if torch_available():  # nanoGPT users' ckpt.pt
-            write_nanogpt_checkpoint(trainer, out_dir, iter_num, best_val_loss, lr)
-        elif not warned_no_torch:
-            warned_no_torch.append(True)
-            say(
+            gpt_params.write_nanogpt_checkpoint(trainer, out_dir, it, self.best_val_loss, lr)
+        elif not self.warned_no_torch:
+            self.warned_no_torch = True
+            self.run.write(
                 "PyTorch is not installed, so nanoGPT's ckpt.pt is not written (jaxport's checkpoints are in "
                 f"{out_dir / CHECKPOINT_SUBDIR}); `pip install 'jaxport[torch]'` and `jaxport gpt export` write it"
             )
 
-    saves = cfg.max_iters >= cfg.eval_interval or cfg.checkpoint_interval
-    import_ahead = ImportAhead(enabled=master)
-    later_imports = ["torch"] if saves and jax.process_count() == 1 and torch_available() else []  # for ckpt.pt
-    X, Y = batches.get("train", (accum,), draw=iter_num)
-    t0, steps_timed, local_iter_num, running_mfu, last = time.time(), 0, 0, -1.0, {}
-    interval = cfg.checkpoint_interval
-    while True:
-        lr = get_lr(iter_num, cfg) if cfg.decay_lr else cfg.learning_rate
-        if iter_num % cfg.eval_interval == 0:
-            losses = estimate_loss()
-            say(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            for split, value in losses.items():  # checked before the save below
-                run.check_finite(iter_num, value, what=f"the {split} loss of the evaluation")
-            run.log(iter_num, {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr})
-            last.update(losses)
-            if losses["val"] < best_val_loss or cfg.always_save_checkpoint:
-                best_val_loss = losses["val"]
-                if iter_num > 0:
-                    save(lr)
-        elif interval and iter_num % interval == 0:
-            save(lr)
-        if iter_num == 0 and cfg.eval_only:
-            break
-        micro_losses, norm = trainer.step(X, Y, lr, iter_num)
-        import_ahead(*later_imports)  # the step has compiled: load what the saves and the end import
-        run.record(iter_num, (micro_losses, norm), check_step)
-        X, Y = batches.get("train", (accum,), draw=iter_num + 1)  # drawn while the step runs (an accelerator's)
-        steps_timed += 1
-        if iter_num % cfg.log_interval == 0:
-            run.flush()
-            lossf = float(fetch_replicated(micro_losses)[-1])  # nanoGPT logs the last micro-step's loss
-            t1 = time.time()
-            # steps run asynchronously: time per iteration is averaged since the last log
-            dt, t0, steps_timed = (t1 - t0) / steps_timed, t1, 0
-            if local_iter_num >= 5:  # let the compile and warm-up settle first
-                mfu = estimate_mfu(mfu_params, trainer.model_config, cfg.batch_size * accum, dt)
-                running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-            device_mfu = (
-                f", {running_mfu * 312e12 / peak * 100:.2f}% of {kind} peak" if peak and running_mfu > 0 else ""
-            )
-            say(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, mfu {running_mfu * 100:.2f}%{device_mfu}")
-            run.log(
-                iter_num,
-                {
-                    "iter": iter_num,
-                    "loss": lossf,
-                    "lr": lr,
-                    "grad_norm": float(fetch_replicated(norm)),
-                    "dt_ms": dt * 1000,
-                    "mfu_a100": running_mfu,
-                },
-            )
-            last["loss"] = lossf
-        iter_num += 1
-        local_iter_num += 1
-        if iter_num > cfg.max_iters:
-            break
-    run.flush()
-    return last
+    def read(self, it: int, metrics: dict) -> None:
+        """A step's host values (read at log and save points only, in one transfer: `Run.record`): its micro-steps'
+        losses were checked; stop at a non-finite gradient norm too, before any later checkpoint is written."""
+        if not self.loss_scaling:
+            self.run.check_finite(it, metrics["grad_norm"], what="the gradient norm")
+        self.read_out = metrics
+
+    def after(self, it: int, state: TrainState) -> None:
+        """Once iteration `it` is started: at `log_interval`, its loss, time per iteration and MFU."""
+        self.import_ahead(*self.later_imports)  # the step has compiled: load what the saves and the end import
+        self.steps_timed += 1
+        self.local_iter_num += 1
+        if it % self.cfg.log_interval:
+            return
+        self.run.flush()
+        lossf = float(self.read_out["loss"][-1])  # nanoGPT logs the last micro-step's loss
+        t1 = time.time()
+        # steps run asynchronously: time per iteration is averaged since the last log
+        dt, self.t0, self.steps_timed = (t1 - self.t0) / self.steps_timed, t1, 0
+        if self.local_iter_num > 5:  # let the compile and warm-up settle first
+            accum = self.read_out["loss"].shape[0]
+            mfu = estimate_mfu(self.mfu_params, self.trainer.model_config, self.cfg.batch_size * accum, dt)
+            self.running_mfu = mfu if self.running_mfu == -1.0 else 0.9 * self.running_mfu + 0.1 * mfu
+        peak, mfu = self.peak, self.running_mfu
+        device_mfu = f", {mfu * 312e12 / peak * 100:.2f}% of {self.kind} peak" if peak and mfu > 0 else ""
+        self.run.write(f"iter {it}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, mfu {mfu * 100:.2f}%{device_mfu}")
+        norm = float(self.read_out["grad_norm"])
+        metrics = {"iter": it, "loss": lossf, "lr": get_lr(it, self.cfg), "grad_norm": norm, "dt_ms": dt * 1000}
+        self.run.log(it, {**metrics, "mfu_a100": self.running_mfu})
+        self.last["loss"] = lossf

@@ -1,9 +1,11 @@
-"""Learning-rate schedules as upstream TRM computes them (pretrain.py).
+"""Learning-rate schedules the upstream trainers compute on the host, written once each; Dream's is optax's.
 
-Upstream recomputes the rate in Python before every optimizer step, after incrementing
-the step counter, so optimizer update `n` (0-based) runs with the rate of step `n + 1`.
-The float64 Python functions here are the reference; `warmup_cosine_schedule` is the
-same curve as an optax schedule for use inside jit.
+Upstream TRM (pretrain.py) recomputes the rate in Python before every optimizer step, after
+incrementing the step counter, so optimizer update `n` (0-based) runs with the rate of step `n + 1`;
+nanoGPT (train.py's `get_lr`) computes the rate of iteration `it` before it. These float64 Python
+functions are the reference: a step takes their value as a float32 scalar (its `hyper`), so the
+rates keep upstream's last bits. `warmup_cosine_schedule` is TRM's curve as an optax schedule for
+use inside jit.
 """
 
 import math
@@ -38,6 +40,17 @@ def compute_lr(base_lr: float, *, step: int, total_steps: int, lr_warmup_steps: 
         num_training_steps=total_steps,
         min_ratio=lr_min_ratio,
     )
+
+
+def nanogpt_lr(it: int, *, learning_rate: float, warmup_iters: int, lr_decay_iters: int, min_lr: float) -> float:
+    """nanoGPT's `get_lr`: linear warmup, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
 
 
 def warmup_cosine_schedule(

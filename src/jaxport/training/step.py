@@ -1,14 +1,16 @@
 """The pieces of a training step that the families share: gradients accumulated over micro-batches in one scan,
 which weights decay, PyTorch's global-norm clip and float16 loss scaling as PyTorch's GradScaler does it.
 
-A family brings its objective, its optimizer and its state, and jits its step at one place under the runtime
-policy (`jaxport.runtime.jit_training_step`):
+A family brings its objective, its optimizer and its state, and jits its step `step(state, batch, hyper) ->
+(state, metrics)` at one place under the runtime policy (`jaxport.runtime.jit_training_step`); the loop that
+runs it is `jaxport.training.loop.fit`:
 
     def objective(params, micro_batch, key):             # (value differentiated, what the step reports)
         loss = family_loss(params, micro_batch, key)
         return loss / steps, loss
     grads, losses = accumulate_gradients(objective, params, micro_batches, keys)
-    grads, norm = clip_by_global_norm(grads, max_norm)
+    params, opt_state, loss_scale, norm = apply_gradients(optimizer, grads, opt_state, params, lr=hyper.lr,
+                                                          grad_clip=max_norm, loss_scale=loss_scale)
 """
 
 import jax
@@ -47,6 +49,27 @@ def clip_by_global_norm(grads, max_norm: float) -> tuple:
         clip = jnp.minimum(1.0, max_norm / (norm + 1e-6))
         grads = jax.tree.map(lambda g: g * clip, grads)
     return grads, norm
+
+
+def apply_gradients(optimizer, grads, opt_state, params, *, lr, grad_clip: float, loss_scale=None) -> tuple:
+    """(params, opt_state, loss_scale, gradient norm before clipping) after one optimizer update.
+
+    The gradients are unscaled by `loss_scale` (scale, finite steps in a row: float16's GradScaler; None: no
+    scaling), clipped (`clip_by_global_norm`, 0: off) and applied with the learning rate `lr` (an
+    `optax.inject_hyperparams` optimizer's); with `loss_scale` a step whose gradients overflowed leaves the
+    parameters and moments as they were and the scale is updated."""
+    if loss_scale is not None:
+        grads = jax.tree.map(lambda g: g / loss_scale[0], grads)
+    grads, norm = clip_by_global_norm(grads, grad_clip)
+    opt_state.hyperparams["learning_rate"] = lr
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if loss_scale is not None:  # GradScaler: skip steps with inf/nan gradients, halve or grow the scale
+        finite = jnp.isfinite(norm)
+        new_params = skip_unless_finite(finite, new_params, params)
+        new_opt_state = skip_unless_finite(finite, new_opt_state, opt_state)
+        loss_scale = next_loss_scale(loss_scale, finite)
+    return new_params, new_opt_state, loss_scale, norm
 
 
 def initial_loss_scale(loss_scaling: bool) -> tuple:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from jaxport.distributed import fetch_replicated
+from jaxport.errors import JaxportError
 from jaxport.trm.model import TRM
 
 
@@ -93,3 +94,16 @@ def reduce_train_metrics(metrics: dict, global_batch_size: int) -> dict[str, flo
         )
         for k, v in values.items()
     }
+
+
+def make_evaluators(config, blank_identifier_id: int) -> list:
+    """The run config's `evaluators` (upstream's arc@ARC), on the first test dataset."""
+    evaluators = []
+    for spec in config.evaluators:
+        if spec.name.split("@")[-1] != "ARC":
+            raise JaxportError(f"unknown evaluator {spec.name!r} (jaxport has arc@ARC)")
+        from jaxport.trm.arc_eval import ARCEvaluator
+
+        data_path = (config.data_paths_test or config.data_paths)[0]
+        evaluators.append(ARCEvaluator(data_path, blank_identifier_id=blank_identifier_id, **spec.model_extra))
+    return evaluators

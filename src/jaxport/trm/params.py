@@ -17,8 +17,9 @@ from flax import nnx
 from jaxport.checkpoint import load_torch_file, save_torch_file
 from jaxport.checkpoint.names import NameTable, path_parts
 from jaxport.errors import JaxportError
+from jaxport.training.run import run_checkpoints
 from jaxport.trm.config import TRMConfig, read_all_config
-from jaxport.trm.model import TRM
+from jaxport.trm.model import TRM, Buffer
 
 COMPILED_PREFIX = "_orig_mod."  # upstream saves torch.compile'd models
 # upstream key -> path under `TRM.inner`, with the compiled prefix first: the form upstream writes
@@ -163,3 +164,14 @@ def save_upstream_checkpoint(model: TRM, path: str | Path) -> None:
         if model.config.batch_size is not None:
             run_config["global_batch_size"] = model.config.batch_size
         config_path.write_text(yaml.safe_dump(run_config))
+
+
+def load_weights(model: TRM, path: Path) -> None:
+    """`load_checkpoint=`: an upstream step_N file, or a jaxport run folder (its newest intact checkpoint)."""
+    if path.is_dir():
+        _, params, buffers, _ = nnx.split(model, nnx.Param, Buffer, ...)
+        with run_checkpoints(path) as source:
+            restored, _ = source.restore({"params": params, "buffers": buffers}, partial=True)
+        nnx.update(model, restored["params"], restored["buffers"])
+        return
+    load_state_dict(model, relative_weights(load_torch_file(path, "load_checkpoint")), source=path)

@@ -3,16 +3,16 @@
 One jitted, mesh-sharded step does the ACT call, the backward pass of `loss / global_batch_size`,
 Adam-atan2 on the weights, sign-SGD on the puzzle-embedding rows of the batch and the EMA update.
 The ACT carry lives in the train state, so it persists across batches (and checkpoints) as upstream.
-The host never waits for a step: the step number and learning rates are computed on the host, and the
-metrics of several steps are read in one transfer (`flush`), which also stops the run at the first
-non-finite loss before any later checkpoint is written.
+The loop is `jaxport.training.loop.fit`: the host never waits for a step (the step number and learning
+rates are computed on the host), and the metrics of several steps are read in one transfer, which also
+stops the run at the first non-finite loss before any later checkpoint is written.
 """
 
 import dataclasses
-import functools
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxport import runtime
 from jaxport.checkpoint.runs import abstract_like
-from jaxport.checkpoint.torch_io import load_torch_file, save_torch_file
+from jaxport.checkpoint.torch_io import save_torch_file
 from jaxport.distributed import (
     local_rows,
     logical_sharding,
@@ -34,11 +34,13 @@ from jaxport.distributed import (
 )
 from jaxport.errors import JaxportError
 from jaxport.training import adam_atan2, compute_lr, ema_copy, ema_init, ema_update, sparse_sign_sgd_update
-from jaxport.training.run import Run, run_checkpoints
+from jaxport.training.loop import every, fit
+from jaxport.training.run import Run
+from jaxport.training.step import apply_gradients
 from jaxport.trm import params as trm_params
 from jaxport.trm.config import RunConfig, TRMConfig
 from jaxport.trm.data import PuzzleDataset, PuzzleDatasetMetadata
-from jaxport.trm.evaluate import evaluate, reduce_train_metrics
+from jaxport.trm.evaluate import evaluate, make_evaluators, reduce_train_metrics
 from jaxport.trm.model import TRM, Buffer, Carry, loss_and_grad
 
 READ_EVERY = 32  # steps whose metrics are read from the devices in one transfer
@@ -52,6 +54,13 @@ class TrainState:
     opt_state: optax.OptState
     ema: nnx.State | None
     carry: Carry
+
+
+class Rates(NamedTuple):
+    """A step's learning rates, computed on the host in float64 as upstream's `compute_lr` (float32 scalars)."""
+
+    lr: np.float32
+    puzzle_lr: np.float32
 
 
 class Trainer:
@@ -103,12 +112,12 @@ class Trainer:
         self.run_dir = Path(config.checkpoint_path)
         self.model = TRM(self.model_config, rngs=nnx.Rngs(config.seed))
         if config.load_checkpoint:
-            self._load_weights(Path(config.load_checkpoint))
+            trm_params.load_weights(self.model, Path(config.load_checkpoint))
         self.model.train()
         self.graphdef, params, buffers, self.rest = nnx.split(self.model, nnx.Param, Buffer, ...)
         self.use_puzzle_emb = self.model_config.puzzle_emb_ndim > 0
         self.tx = optimizer(config)
-        self.evaluators = self._make_evaluators()
+        self.evaluators = make_evaluators(config, self.train_loader.metadata.blank_identifier_id)
         self._train_step = runtime.jit_training_step(
             self._step, self.model.runtime_for((self.gbs, self.model_config.seq_len), self.mesh), donate_argnums=0
         )
@@ -131,32 +140,6 @@ class Trainer:
 
     # ----- set-up
 
-    def _load_weights(self, path: Path) -> None:
-        """`load_checkpoint=`: an upstream step_N file, or a jaxport run folder (its newest intact checkpoint)."""
-        if path.is_dir():
-            _, params, buffers, _ = nnx.split(self.model, nnx.Param, Buffer, ...)
-            with run_checkpoints(path) as source:
-                restored, _ = source.restore({"params": params, "buffers": buffers}, partial=True)
-            nnx.update(self.model, restored["params"], restored["buffers"])
-            return
-        weights = trm_params.relative_weights(load_torch_file(path, "load_checkpoint"))
-        trm_params.load_state_dict(self.model, weights, source=path)
-
-    def _make_evaluators(self):
-        evaluators = []
-        for spec in self.config.evaluators:
-            if spec.name.split("@")[-1] != "ARC":
-                raise JaxportError(f"unknown evaluator {spec.name!r} (jaxport has arc@ARC)")
-            from jaxport.trm.arc_eval import ARCEvaluator
-
-            data_path = (self.config.data_paths_test or self.config.data_paths)[0]
-            evaluators.append(
-                ARCEvaluator(
-                    data_path, blank_identifier_id=self.train_loader.metadata.blank_identifier_id, **spec.model_extra
-                )
-            )
-        return evaluators
-
     def _fresh_state(self, params, buffers) -> TrainState:
         """Step 0's state, on no particular device: fresh optimizer moments and EMA, every carry row halted."""
         global_shape = {"inputs": (self.gbs, self.model_config.seq_len), "puzzle_identifiers": (self.gbs,)}
@@ -178,7 +161,7 @@ class Trainer:
 
     # ----- the step
 
-    def _step(self, state: TrainState, batch: dict, lr, puzzle_lr):
+    def _step(self, state: TrainState, batch: dict, hyper: Rates):
         model = nnx.merge(self.graphdef, state.params, state.buffers, self.rest)
         # the halting exploration's key for upstream's step number (counted before the update), made here: made on
         # the host, each key waited for the step before it, and no step overlapped the host's work for the next
@@ -187,17 +170,17 @@ class Trainer:
             model, state.carry, batch, self.gbs, halt_key
         )
         params, opt_state, buffers = state.params, state.opt_state, state.buffers
-        if not self.config.freeze_weights:
-            opt_state.hyperparams["learning_rate"] = lr
-            updates, opt_state = self.tx.update(param_grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+        if not self.config.freeze_weights:  # upstream clips nothing: the clip is off
+            params, opt_state, _, _ = apply_gradients(
+                self.tx, param_grads, opt_state, params, lr=hyper.lr, grad_clip=0.0
+            )
         if self.use_puzzle_emb:
             table = buffers["inner"]["puzzle_emb"]["weights"]
             table.value = sparse_sign_sgd_update(
                 table.value,
                 carry.current_data["puzzle_identifiers"],
                 row_grads,
-                puzzle_lr,
+                hyper.puzzle_lr,
                 self.config.puzzle_emb_weight_decay,
             )
         ema = ema_update(state.ema, params, self.config.ema_rate) if state.ema is not None else None
@@ -207,47 +190,47 @@ class Trainer:
         weights_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((params, buffers))]))
         return new_state, {"loss": loss, "metrics": metrics, "weights_finite": weights_finite}
 
-    def train_batch(self, batch: dict) -> bool:
-        """Start one optimizer step on `batch` (upstream's train_batch); False once the schedule is done."""
-        step = self.step + 1  # upstream increments before computing the LR
-        if step > self.total_steps:
-            return False
+    def lr(self, base_lr: float, step: int) -> float:
+        """Upstream's `compute_lr` for `step` (1-based: upstream increments the step before computing the rate)."""
         config = self.config
-        lr_args = dict(
-            step=step,
-            total_steps=self.total_steps,
-            lr_warmup_steps=config.lr_warmup_steps,
+        return compute_lr(
+            base_lr, step=step, total_steps=self.total_steps, lr_warmup_steps=config.lr_warmup_steps,
             lr_min_ratio=config.lr_min_ratio,
-        )
-        lr = compute_lr(config.lr, **lr_args)
-        puzzle_lr = compute_lr(config.puzzle_emb_lr, **lr_args)
-        # numpy scalars: jnp.float32(lr) runs a conversion that waits for the step before it, as a key made here did
-        args = (self.state, shard_batch(batch, self.mesh), np.float32(lr), np.float32(puzzle_lr))
-        self.state, outputs = self._train_step(*args)
-        self.step = step
-        self.run.record(step, outputs, functools.partial(self._read_step, lr))
-        return True
+        )  # fmt: skip
 
-    def _read_step(self, lr: float, step: int, out: dict) -> dict:
-        """A step's metrics, read from the devices: stop at a non-finite loss or weight, else what to log."""
-        self.run.check_finite(step, out["loss"])
+    def rates(self, step: int) -> Rates:
+        # numpy scalars: jnp.float32(lr) runs a conversion that waits for the step before it, as a key made here did
+        return Rates(np.float32(self.lr(self.config.lr, step)), np.float32(self.lr(self.config.puzzle_emb_lr, step)))
+
+    def run_step(self, state: TrainState, batch: dict, hyper: Rates) -> tuple:
+        """The compiled step on a host batch (this process's rows): (state, metrics), device arrays."""
+        return self._train_step(state, shard_batch(batch, self.mesh), hyper)
+
+    def batches(self, max_steps: int):
+        """(step, batch) of this iteration (upstream's train_batch calls) until the schedule or `max_steps` ends."""
+        for _, batch, _ in self.train_loader:
+            if self.step + 1 > self.total_steps:
+                return
+            yield self.step + 1, batch
+            if self.step >= max_steps:
+                self.stopped = True
+                return
+
+    def _stepped(self, step: int, state: TrainState) -> None:
+        self.step, self.state = step, state
+
+    def _read_step(self, step: int, out: dict) -> dict:
+        """A step's metrics, read from the devices (its loss checked): stop at a non-finite weight, else to log."""
+        lr, bad = self.lr(self.config.lr, step), "made the weights non-finite: a weight"
         if not out["weights_finite"]:
-            self.run.check_finite(
-                step, math.nan, what=f"the update (lr {lr:.3g}) made the weights non-finite: a weight"
-            )
+            self.run.check_finite(step, math.nan, what=f"the update (lr {lr:.3g}) {bad}")
         reduced = reduce_train_metrics(out["metrics"], self.gbs)
         return {f"train/{k}": v for k, v in reduced.items()} | {"train/lr": lr}
-
-    def flush(self) -> None:
-        """Read, check and log the steps run since the last read (`Run.flush`)."""
-        self.run.flush()
 
     # ----- evaluation
 
     def eval_model(self) -> TRM:
-        params = self.state.params
-        if self.state.ema is not None:
-            params = ema_copy(self.state.ema, params)
+        params = self.state.params if self.state.ema is None else ema_copy(self.state.ema, self.state.params)
         model = nnx.merge(self.graphdef, params, self.state.buffers, self.rest)
         model.eval()
         return model
@@ -273,7 +256,7 @@ class Trainer:
     # ----- checkpoints
 
     def save(self) -> int:
-        self.flush()  # a run that went non-finite stops here, before writing a bad checkpoint
+        self.run.flush()  # a run that went non-finite stops here, before writing a bad checkpoint
         self.run.save(self.step, self.state, {"data": self.train_loader.state_dict(), "iteration": self.iteration})
         if self.config.export_upstream and self.rank == 0:
             model = nnx.merge(self.graphdef, self.state.params, self.state.buffers, self.rest)
@@ -304,31 +287,27 @@ class Trainer:
         run.start_logging(self.step)
         if resumed:
             run.write(f"resumed from step {self.step} ({run.checkpoints.directory})")
-        every = config.checkpoint_every_steps
         last_eval: dict = {}
-        stopped = False
+        self.stopped = False
         if self.step >= max_steps:  # the run is complete: evaluate its final weights, train nothing
             last_eval = self.evaluate()
-            stopped = True
-        while self.iteration < self.total_iters and not stopped:
-            for _, batch, _ in self.train_loader:
-                if not self.train_batch(batch):
-                    break
-                if every and self.step % every == 0:
-                    self.save()
-                if self.step >= max_steps:
-                    stopped = True
-                    break
-            self.flush()
-            if self.iteration >= (config.min_eval_interval or 0) or stopped:
+            self.stopped = True
+        while self.iteration < self.total_iters and not self.stopped:
+            save = every(config.checkpoint_every_steps, lambda step, state: self.save())
+            self.state = fit(
+                run, self.run_step, self.state, self.batches(max_steps), hyper=self.rates, read=self._read_step,
+                after=[self._stepped, save],
+            )  # fmt: skip
+            self.run.flush()
+            if self.iteration >= (config.min_eval_interval or 0) or self.stopped:
                 last_eval = self.evaluate()
                 if last_eval:
                     run.log(self.step, {f"eval/{k}": v for k, v in last_eval.items()})
                     run.write(f"step {self.step} eval: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
             self.iteration += 1
-            if config.checkpoint_every_eval or stopped or self.iteration == self.total_iters:
+            if config.checkpoint_every_eval or self.stopped or self.iteration == self.total_iters:
                 self.save()
-        self.flush()
+        self.run.flush()
         png = run.close()
         return {
             "step": self.step,
@@ -399,9 +378,9 @@ def compile_target(config: RunConfig, mesh) -> tuple:
         "puzzle_identifiers": jax.ShapeDtypeStruct((parts.gbs,), jnp.int32),
     }
     batch = abstract(batch, jax.tree.map(rows, batch))
-    rates = [jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))] * 2
+    rates = Rates(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))] * 2)
     step = runtime.jit(parts._step, parts.model.runtime_for((parts.gbs, seq_len), mesh), donate_argnums=0)
-    return step, (state, batch, *rates)
+    return step, (state, batch, rates)
 
 
 def default_run_paths(config: RunConfig) -> RunConfig:
