@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from _common import compiled_flops, emit, environment, peak_flops, peak_rss_bytes, utilisation
 
-from jaxport.gpt import train as gpt_train
+from jaxport.gpt import settings as gpt_settings
+from jaxport.gpt import trainer as gpt_trainer
 from jaxport.gpt.model import estimate_mfu
 from jaxport.runtime import host_memory
 from jaxport.runtime.compile_seconds import with_compile_seconds
@@ -77,14 +78,14 @@ def bench(name: str, dropout: float | None, iters: int, warmup: int, peaks: dict
     vocab = spec.pop("vocab_size")
     device = {"cpu": "cpu", "tpu": "tpu"}.get(jax.default_backend(), "cuda")
     cfg = {
-        **gpt_train.DEFAULTS,
-        **gpt_train.EXTRA,
+        **gpt_settings.DEFAULTS,
+        **gpt_settings.EXTRA,
         **spec,
         "device": device,
         "init_from": "scratch",
         "gradient_accumulation_steps": 1,
     }
-    trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
+    trainer = gpt_trainer.Trainer(cfg, vocab_size=vocab)
     rng = np.random.default_rng(0)
     shape = (1, cfg["batch_size"], cfg["block_size"])
     X, Y = rng.integers(0, vocab, shape), rng.integers(0, vocab, shape)

@@ -39,14 +39,15 @@ def gpt_child(tiny: bool, interval: int) -> dict:
     from gpt_train_step import CONFIGS
 
     from jaxport.distributed import fetch_replicated
-    from jaxport.gpt import train as gpt_train
+    from jaxport.gpt import settings as gpt_settings
+    from jaxport.gpt import trainer as gpt_trainer
 
     size = SIZES["tiny" if tiny else "full"]
     spec = {**CONFIGS["gpt2"], **(GPT_TINY if tiny else {})}
     vocab = spec.pop("vocab_size")
     device = {"cpu": "cpu", "tpu": "tpu"}.get(jax.default_backend(), "cuda")
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **spec, "device": device, "gradient_accumulation_steps": 1}
-    trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
+    cfg = {**gpt_settings.DEFAULTS, **gpt_settings.EXTRA, **spec, "device": device, "gradient_accumulation_steps": 1}
+    trainer = gpt_trainer.Trainer(cfg, vocab_size=vocab)
     rng = np.random.default_rng(0)
     X, Y = (rng.integers(0, vocab, (1, cfg["batch_size"], cfg["block_size"])) for _ in range(2))
     lr = cfg["learning_rate"]

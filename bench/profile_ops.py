@@ -170,7 +170,8 @@ def trm_step(args):
 
 
 def gpt_step(args):
-    from jaxport.gpt import train as gpt_train
+    from jaxport.gpt import settings as gpt_settings
+    from jaxport.gpt import trainer as gpt_trainer
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from gpt_train_step import CONFIGS
@@ -178,14 +179,14 @@ def gpt_step(args):
     spec = dict(CONFIGS[args.config], dropout=args.dropout)
     vocab = spec.pop("vocab_size")
     cfg = {
-        **gpt_train.DEFAULTS,
-        **gpt_train.EXTRA,
+        **gpt_settings.DEFAULTS,
+        **gpt_settings.EXTRA,
         **spec,
         "device": "cpu",
         "init_from": "scratch",
         "gradient_accumulation_steps": 1,
     }
-    trainer = gpt_train.Trainer(cfg, vocab_size=vocab)
+    trainer = gpt_trainer.Trainer(cfg, vocab_size=vocab)
     X = np.random.default_rng(0).integers(0, vocab, (1, cfg["batch_size"], cfg["block_size"]))
     return trainer._step.__wrapped__, trainer.step_args(X, X, 1e-3), trainer.runtime
 

@@ -110,18 +110,19 @@ def assert_written_like_nanogpt(path: Path, name: str) -> dict:
 def test_written_checkpoint_has_nanogpts_layout(name, tmp_path):
     """The writer `jaxport gpt train` and `export` share (`gpt.params.nanogpt_checkpoint`, saved atomically), on a
     model of each recorded configuration."""
-    from jaxport.gpt import train as gpt_train
+    from jaxport.gpt import settings as gpt_settings
+    from jaxport.gpt import trainer as gpt_trainer
     from jaxport.gpt.params import write_nanogpt_checkpoint
 
     shutil.copy(FIXTURES / name / "ckpt.pt", tmp_path / "ckpt.pt")
     cfg = {
-        **gpt_train.DEFAULTS,
-        **gpt_train.EXTRA,
+        **gpt_settings.DEFAULTS,
+        **gpt_settings.EXTRA,
         **case(name)["train_config"],
         "out_dir": str(tmp_path),
         "init_from": "resume",
     }
-    trainer = gpt_train.Trainer(cfg, vocab_size=case(name)["model_args"]["vocab_size"])
+    trainer = gpt_trainer.Trainer(cfg, vocab_size=case(name)["model_args"]["vocab_size"])
     write_nanogpt_checkpoint(trainer, tmp_path / "out", trainer.iter_num, trainer.best_val_loss, 1e-3)
     ckpt = assert_written_like_nanogpt(tmp_path / "out" / "ckpt.pt", name)
     original = torch.load(FIXTURES / name / "ckpt.pt", map_location="cpu", weights_only=True)

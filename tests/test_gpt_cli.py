@@ -227,7 +227,7 @@ def test_sample_py_greedy_text(tmp_path, monkeypatch, capsys):
 )
 def test_presets_mirror_nanogpt_configs(preset, expected):
     from jaxport.gpt.configurator import configure
-    from jaxport.gpt.train import DEFAULTS, EXTRA
+    from jaxport.gpt.settings import DEFAULTS, EXTRA
 
     cfg = configure([f"config/{preset}.py", "--max_iters=7"], {**DEFAULTS, **EXTRA})
     assert {k: cfg[k] for k in expected} == expected and cfg["max_iters"] == 7  # flags after the file win

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxport.checkpoint import load_torch_file, save_torch_file
-from jaxport.gpt import train as gpt_train
+from jaxport.gpt import settings as gpt_settings
+from jaxport.gpt import trainer as gpt_trainer
 from jaxport.training.step import LOSS_SCALE_GROWTH_INTERVAL
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpt"
@@ -23,7 +24,7 @@ CASE = FIXTURES / "nanogpt_train_resume"
 
 def resume_config(out_dir):
     case = json.loads((CASE / "case.json").read_text())
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **case["train_config"]}
+    cfg = {**gpt_settings.DEFAULTS, **gpt_settings.EXTRA, **case["train_config"]}
     cfg["out_dir"] = str(out_dir)
     return case, cfg
 
@@ -33,14 +34,14 @@ def resume_two_iterations(out, dtype="float32"):
     case, cfg = resume_config(out)
     cfg["dtype"] = dtype
     x = np.load(CASE / "inputs.npz")
-    trainer = gpt_train.Trainer(cfg, vocab_size=59)
+    trainer = gpt_trainer.Trainer(cfg, vocab_size=59)
     assert trainer.iter_num == 300
     lrs, losses, norms = [], [], []
     for it in range(2):
-        lr = gpt_train.get_lr(trainer.iter_num + it, cfg)
+        lr = gpt_settings.get_lr(trainer.iter_num + it, cfg)
         micro, norm = trainer.step(x["train_x"][it], x["train_y"][it], lr)
         lrs.append(lr), losses.append(np.asarray(micro)), norms.append(float(norm))
-    ckpt = trainer.checkpoint(302, 2.5, gpt_train.get_lr(302, cfg))  # train.py saves after setting lr(302)
+    ckpt = trainer.checkpoint(302, 2.5, gpt_settings.get_lr(302, cfg))  # train.py saves after setting lr(302)
     return case, cfg, trainer, np.array(lrs), np.stack(losses), np.array(norms), ckpt
 
 
@@ -71,7 +72,7 @@ def assert_matches_nanogpt(resumed):
 def test_lr_schedule():
     case, cfg = resume_config("out")
     e = np.load(CASE / "expected.npz")
-    lrs = [gpt_train.get_lr(int(it), cfg) for it in e["lr_schedule_its"]]
+    lrs = [gpt_settings.get_lr(int(it), cfg) for it in e["lr_schedule_its"]]
     np.testing.assert_allclose(lrs, e["lr_schedule"], rtol=case["tolerances"]["lr_schedule"]["rtol"], atol=0)
 
 
@@ -153,8 +154,8 @@ def test_float16_dynamic_loss_scaling(tmp_path, monkeypatch):
     shutil.copy(CASE / "ckpt.pt", tmp_path / "ckpt.pt")
     _, cfg = resume_config(tmp_path)
     x = np.load(CASE / "inputs.npz")
-    monkeypatch.setattr(gpt_train, "compute_dtype", lambda dtype, platform: jnp.float16)
-    trainer = gpt_train.Trainer({**cfg, "dtype": "float16"}, vocab_size=59)
+    monkeypatch.setattr(gpt_trainer, "compute_dtype", lambda dtype, platform: jnp.float16)
+    trainer = gpt_trainer.Trainer({**cfg, "dtype": "float16"}, vocab_size=59)
     assert float(trainer.loss_scale[0]) == 2.0**16
     before = np.asarray(trainer.params["wte"])
     trainer.loss_scale = (
@@ -182,7 +183,7 @@ def test_reduced_precision_iterations_match_nanogpt(dtype, tmp_path, monkeypatch
     low = FIXTURES / f"nanogpt_train_resume_{dtype}"
     case, e = json.loads((low / "case.json").read_text()), np.load(low / "expected.npz")
     tol = case["tolerances"]
-    monkeypatch.setattr(gpt_train, "compute_dtype", lambda dtype, platform: jnp.dtype(dtype))  # as on a GPU
+    monkeypatch.setattr(gpt_trainer, "compute_dtype", lambda dtype, platform: jnp.dtype(dtype))  # as on a GPU
     _, cfg, trainer, lrs, losses, norms, ckpt = resume_two_iterations(tmp_path, dtype)
     assert trainer.dtype == jnp.dtype(dtype)
     np.testing.assert_allclose(lrs, np.load(CASE / "expected.npz")["lr_iter"], rtol=1e-12)
@@ -201,17 +202,19 @@ def test_reduced_precision_iterations_match_nanogpt(dtype, tmp_path, monkeypatch
 DP_SCRIPT = textwrap.dedent("""
     import json, os, shutil, sys
     import numpy as np, jax
+    from jaxport.gpt import settings as gpt_settings
     from jaxport.gpt import train as gpt_train
+    from jaxport.gpt import trainer as gpt_trainer
     case_dir, out = sys.argv[1], sys.argv[2]
     case = json.load(open(case_dir + "/case.json"))
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **case["train_config"], "out_dir": out}
+    cfg = {**gpt_settings.DEFAULTS, **gpt_settings.EXTRA, **case["train_config"], "out_dir": out}
     shutil.copy(case_dir + "/ckpt.pt", out + "/ckpt.pt")
     x = np.load(case_dir + "/inputs.npz")
     # 2 micro-steps of batch 8 (both recorded iterations side by side), split 8 ways or not at all
     X, Y = (np.concatenate([x[k][0], x[k][1]], axis=1) for k in ("train_x", "train_y"))
     results = {}
     for name, n, fsdp in (("dp1", 1, 1), ("dp8", 8, 1), ("fsdp4", 8, 4)):
-        trainer = gpt_train.Trainer({**cfg, "fsdp": fsdp}, vocab_size=59, devices=jax.devices()[:n])
+        trainer = gpt_trainer.Trainer({**cfg, "fsdp": fsdp}, vocab_size=59, devices=jax.devices()[:n])
         for it in range(2):  # the second step reuses the first's shardings
             losses, norm = trainer.step(X, Y, 1e-3)
         wte = trainer.params["h"][0]["mlp"]["c_fc"]["weight"]
@@ -264,20 +267,21 @@ MULTIHOST_SCRIPT = textwrap.dedent("""
     import numpy as np, jax
     from jaxport.distributed import fetch_replicated, initialize
     initialize()  # from JAXPORT_COORDINATOR, JAXPORT_NUM_PROCESSES, JAXPORT_PROCESS_ID
-    from jaxport.gpt import train as gpt_train
+    from jaxport.gpt import settings as gpt_settings
+    from jaxport.gpt import trainer as gpt_trainer
     case_dir, out = sys.argv[1], sys.argv[2]
     pid = jax.process_index()
     case = json.load(open(case_dir + "/case.json"))
-    cfg = {**gpt_train.DEFAULTS, **gpt_train.EXTRA, **case["train_config"], "out_dir": out}
+    cfg = {**gpt_settings.DEFAULTS, **gpt_settings.EXTRA, **case["train_config"], "out_dir": out}
     x = np.load(case_dir + "/inputs.npz")
-    trainer = gpt_train.Trainer(cfg, vocab_size=59, devices=jax.devices())
+    trainer = gpt_trainer.Trainer(cfg, vocab_size=59, devices=jax.devices())
     losses, norms = [], []
     for it in range(2):  # this process feeds rows 2*pid, 2*pid+1 of each recorded micro-batch
         rows = slice(2 * pid, 2 * pid + 2)
         micro, norm = trainer.step(x["train_x"][it][:, rows], x["train_y"][it][:, rows],
-                                   gpt_train.get_lr(300 + it, cfg))
+                                   gpt_settings.get_lr(300 + it, cfg))
         losses.append(fetch_replicated(micro)), norms.append(float(fetch_replicated(norm)))
-    ckpt = trainer.checkpoint(302, 2.5, gpt_train.get_lr(302, cfg))
+    ckpt = trainer.checkpoint(302, 2.5, gpt_settings.get_lr(302, cfg))
     if pid == 0:
         np.savez(out + "/multihost.npz", micro_loss=np.stack(losses), grad_norm=np.array(norms),
                  devices=jax.device_count(), processes=jax.process_count(),

@@ -110,10 +110,11 @@ host_memory.os = types.SimpleNamespace(sysconf=lambda name: {{"SC_PAGE_SIZE": 40
 
 GPT_STEP_FAULTS = """
 import numpy as np
-from jaxport.gpt import train
-cfg = {**train.DEFAULTS, **train.EXTRA, "device": "cpu", "init_from": "scratch", "gradient_accumulation_steps": 1,
+from jaxport.gpt.settings import DEFAULTS, EXTRA
+from jaxport.gpt.trainer import Trainer
+cfg = {**DEFAULTS, **EXTRA, "device": "cpu", "init_from": "scratch", "gradient_accumulation_steps": 1,
        "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12, "dropout": 0.0}
-trainer = train.Trainer(cfg, vocab_size=65)  # nanoGPT README's CPU config: ~44 MB of temporaries per step
+trainer = Trainer(cfg, vocab_size=65)  # nanoGPT README's CPU config: ~44 MB of temporaries per step
 X = np.random.default_rng(0).integers(0, 65, (1, 12, 64))
 faults = median_faults(lambda: trainer.step(X, X, 1e-3), calls=10)
 temp = trainer._step.lower(*trainer.step_args(X, X, 1e-3)).compile().memory_analysis().temp_size_in_bytes

@@ -70,8 +70,9 @@ def prepare_main(argv: list[str]) -> int:
 def train_main(argv: list[str]) -> int:
     from jaxport.gpt import train
     from jaxport.gpt.configurator import configure
+    from jaxport.gpt.settings import DEFAULTS, EXTRA
 
-    defaults = {**train.DEFAULTS, **train.EXTRA, "progress": sys.stderr.isatty(), "runtime": ""}
+    defaults = {**DEFAULTS, **EXTRA, "progress": sys.stderr.isatty(), "runtime": ""}
     if any(a in ("-h", "--help") for a in argv):
         usage = (
             "usage: jaxport gpt train [CONFIG ...] [--key=value ...] [--compile-for SLICE]\n\n--compile-for SLICE "
@@ -100,15 +101,16 @@ def compile_train(cfg: dict, slice_name: str) -> int:
     weights or data read (the dataset's meta.pkl, if there is one, gives the vocabulary)."""
     import jax
 
-    from jaxport.gpt import train
+    from jaxport.gpt.settings import micro_steps
+    from jaxport.gpt.trainer import compile_target, training_mesh
     from jaxport.runtime.compile_for import Program, compile_for
 
     def build(devices, fsdp=cfg["fsdp"], batch=cfg["batch_size"]):
         run = {**cfg, "fsdp": fsdp, "batch_size": batch}
         run["gradient_accumulation_steps"] = cfg["gradient_accumulation_steps"] * cfg["batch_size"] // batch
-        mesh = train.training_mesh(run, devices)
-        step, args = train.compile_target(run, mesh)
-        accum = train.micro_steps(run, len(devices))
+        mesh = training_mesh(run, devices)
+        step, args = compile_target(run, mesh)
+        accum = micro_steps(run, len(devices))
         params = sum(x.size for x in jax.tree.leaves(args[0].params))
         title = (
             f"jaxport gpt train: one iteration of a {params / 1e6:.0f}M-parameter GPT ({cfg['init_from']}), "

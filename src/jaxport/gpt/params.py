@@ -335,7 +335,7 @@ def nanogpt_checkpoint(params, opt_state, config: GPTConfig, adamw: tuple, train
 
 
 def write_nanogpt_checkpoint(trainer, out_dir: Path, iter_num: int, best_val_loss: float, lr: float) -> None:
-    """nanoGPT's ckpt.pt of a `jaxport.gpt.train.Trainer` (every array gathered to one host), written atomically by
+    """nanoGPT's ckpt.pt of a `jaxport.gpt.trainer.Trainer` (every array gathered to one host), written atomically by
     process 0."""
     from jaxport.checkpoint import save_torch_file
 

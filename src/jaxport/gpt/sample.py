@@ -12,7 +12,7 @@ from jaxport.errors import JaxportError
 from jaxport.gpt.configurator import configure
 from jaxport.gpt.data import gpt2_encoding, load_meta
 from jaxport.gpt.model import GPT
-from jaxport.gpt.train import compute_dtype, load_trained_model, select_devices
+from jaxport.gpt.trainer import compute_dtype, load_trained_model, select_devices
 from jaxport.typed_config import validate
 
 
