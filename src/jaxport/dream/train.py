@@ -45,7 +45,7 @@ from jaxport.nn import softmax_cross_entropy
 from jaxport.training.loop import every, fit
 from jaxport.training.optimizers import moment_shardings
 from jaxport.training.run import Run
-from jaxport.training.step import accumulate_gradients, decay_mask
+from jaxport.training.step import accumulate_gradients, clip_by_global_norm, decay_mask
 
 # ----- the objective
 
@@ -102,14 +102,11 @@ class Hyper(NamedTuple):
 
 
 def optimizer(cfg: TrainConfig):
-    """AdamW (decay on matrices only) after global-norm clipping, with linear warm-up and cosine decay."""
+    """AdamW (decay on matrices only) with linear warm-up and cosine decay; the step clips the gradients before it."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
     )
-    clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
-    return optax.chain(
-        clip, optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask)
-    ), schedule
+    return optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask), schedule
 
 
 def initial_state(params, tx, mesh) -> TrainState:
@@ -121,9 +118,10 @@ def initial_state(params, tx, mesh) -> TrainState:
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, opt_state=opt_state)
 
 
-def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shardings, step_runtime):
+def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, grad_clip: float, state_shardings, step_runtime):
     """`step(state, batch [accum, B, L] arrays, hyper) -> (state, metrics)`, jitted under `step_runtime` with the
-    state donated."""
+    state donated. The mean gradient is clipped to global norm `grad_clip` (0: off) by PyTorch's `clip_grad_norm_`
+    formula (`jaxport.training.step.clip_by_global_norm`), as GPT's and TRM's steps clip."""
 
     def loss_fn(params, batch, key):
         model = nnx.merge(compute_graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
@@ -141,9 +139,10 @@ def make_train_step(compute_graphdef, tx, compute_dtype, eps: float, state_shard
 
         grads, losses = accumulate_gradients(objective, state.params, batches, jax.random.split(key, accum))
         grads = jax.tree.map(lambda g: g / accum, grads)  # equal micro-batches: the mean over all rows
+        grads, grad_norm = clip_by_global_norm(grads, grad_clip)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": jnp.mean(losses), "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step
@@ -164,6 +163,8 @@ def training_mesh(cfg: TrainConfig, devices=None):
     for name in ("steps", "batch_size", "grad_accum", "log_every", "save_every"):
         if getattr(cfg, name) < 1:
             raise JaxportError(f"{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.grad_clip < 0:
+        raise JaxportError(f"grad_clip={cfg.grad_clip} must be 0 (no clipping) or positive")
     return mesh
 
 
@@ -184,7 +185,7 @@ def compile_target(cfg: TrainConfig, mesh) -> tuple:
     step_number = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     state = TrainState(step=step_number, params=params, opt_state=opt_state)
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    step = make_train_step(compute_graphdef, tx, dtype, cfg.eps, shardings, training_runtime(cfg, mesh))
+    step = make_train_step(compute_graphdef, tx, dtype, cfg.eps, cfg.grad_clip, shardings, training_runtime(cfg, mesh))
     shape = (cfg.grad_accum, cfg.batch_size, cfg.seq_len)
     rows = logical_sharding(mesh, None, "batch", None)  # as shard_batch places [accum, B, L] micro-batches
     batch = {
@@ -272,7 +273,13 @@ def train(preset: str | None = None, **options) -> dict:
     tx, schedule = optimizer(cfg)
     state = initial_state(params, tx, mesh)
     train_step = make_train_step(
-        compute_graphdef, tx, dtype, cfg.eps, jax.tree.map(lambda x: x.sharding, state), training_runtime(cfg, mesh)
+        compute_graphdef,
+        tx,
+        dtype,
+        cfg.eps,
+        cfg.grad_clip,
+        jax.tree.map(lambda x: x.sharding, state),
+        training_runtime(cfg, mesh),
     )
     batches = Batches(len(rows), cfg.batch_size * cfg.grad_accum, cfg.seed)
     with Run(
