@@ -8,7 +8,7 @@ import pytest
 
 from jaxport import dream
 from jaxport.dream import tasks
-from jaxport.dream import train as train_lib
+from jaxport.dream.train_config import PRESETS, make_config
 from jaxport.errors import JaxportError
 
 TASK_MODEL = Path(__file__).parent / "fixtures" / "dream" / "task_model"
@@ -17,8 +17,8 @@ TASK_MODEL = Path(__file__).parent / "fixtures" / "dream" / "task_model"
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory) -> dict:
     """The files the `task-demo` recipe trains on and tests with (seed 0), as `jaxport dream train` writes them."""
-    cfg = train_lib.make_config("task-demo", out_dir=str(tmp_path_factory.mktemp("task_demo")))
-    train_lib.PRESETS["task-demo"][1](cfg)
+    cfg = make_config("task-demo", out_dir=str(tmp_path_factory.mktemp("task_demo")))
+    PRESETS["task-demo"][1](cfg)
     folder = Path(cfg.out_dir) / "task"
     return {
         name: tasks.read_problems(folder / f"{name}.jsonl") for name in ("train", *(f"test_{s}" for s in tasks.SPLITS))

@@ -20,7 +20,7 @@ from jaxport.dream import tasks
 from jaxport.dream import train as train_lib
 from jaxport.dream.data import Batches, load_rows
 from jaxport.dream.params import save_pretrained
-from jaxport.dream.tokenizer import CHATML_TEMPLATE, DREAM_ADDED_TOKENS, train_tokenizer
+from jaxport.dream.tokenizer import CHATML_TEMPLATE, DREAM_ADDED_TOKENS, special_token_ids, train_tokenizer
 from jaxport.errors import JaxportError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dream"
@@ -123,7 +123,7 @@ def test_loss_is_one_over_t_weighted_and_normalised_per_response_token():
 
 
 def test_sft_rows_left_pad_the_prompt_before_a_fixed_response(workdir):
-    config = dream.DreamConfig(**train_lib.special_token_ids(workdir / "tokenizer"))
+    config = dream.DreamConfig(**special_token_ids(workdir / "tokenizer"))
     tokenizer = dream.DreamTokenizer.from_model_dir(workdir / "tokenizer", config)
     data = workdir / "one.jsonl"
     data.write_text(
@@ -166,7 +166,7 @@ def test_batches_resume_where_they_stopped():
 def test_trained_tokenizer_has_dreams_special_tokens(tmp_path):
     texts = ["the cat sat on the mat\n", "the dog sat on the log\n", "12345 + 678 = 13023\n"] * 50
     out = train_tokenizer(texts, tmp_path / "tok", vocab_size=300)
-    ids = train_lib.special_token_ids(out)
+    ids = special_token_ids(out)
     config = json.loads((out / "tokenizer_config.json").read_text())
     added = {int(k): v["content"] for k, v in config["added_tokens_decoder"].items()}
     first = min(added)

@@ -433,10 +433,11 @@ def _compile_train(cfg, slice_name: str) -> int:
 def train(args) -> int:
     from jaxport.distributed import initialize
     from jaxport.dream import train as train_lib
+    from jaxport.dream.train_config import TrainConfig, make_config
 
-    options = {k: v for k, v in vars(args).items() if k in train_lib.TrainConfig.__dataclass_fields__}
+    options = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
     if getattr(args, "compile_for", None):
-        return _compile_train(train_lib.make_config(**options), args.compile_for)
+        return _compile_train(make_config(**options), args.compile_for)
     initialize(args.coordinator, args.num_processes, args.process_id)
     result = train_lib.train(**options)
     print(json.dumps(result))
@@ -476,7 +477,7 @@ def evaluate(argv: list[str]) -> int:
 
 
 def _add_train(actions):
-    from jaxport.dream.train import TrainConfig
+    from jaxport.dream.train_config import TrainConfig
 
     tr = actions.add_parser(
         "train",
