@@ -138,7 +138,7 @@ def run(args):
             scored = model.diffusion_generate(ids, mask, output_scores=True, **s)
             flops += algorithm_flops(config, ids, scored, s)
             by_position = decision_margins(scored, ids.shape[1], s["block_length"], s.get("threshold"))
-            margins += [[float(f"{m:.3g}") if np.isfinite(m) else None for m in row] for row in by_position]
+            margins += [[float(m) if np.isfinite(m) else None for m in row] for row in by_position]
         emit(
             {
                 "batch": size,
