@@ -3,7 +3,9 @@ both times, the ratio (original time / jaxport time: above 1 means jaxport is fa
 time apart, the peak RSS of each side, and a Markdown table of the same.
 
     eval "$(../shared/originals/setup)"      # once: the originals' Python and source (REF_PY, REF_TRM, ...)
-    python bench/compare.py [--only trm_step,gpt_step,gpt_run,trm_loop,dream] [--repeat 3] [--threads N]
+    python bench/compare.py [--only trm_step,gpt_step,gpt_run,trm_loop,dream] [--repeat 3] [--threads N] \
+        [--results bench/results/HOST.json --host-label "AMD host"]
+    python bench/compare_tables.py           # README.md's and docs/performance.md's tables from bench/results
 
 Workloads that take under a minute run `--repeat` times, alternating original and jaxport, and report the
 median ratio; longer ones run once. Run it on a quiet machine: nothing else on the cores.
@@ -16,8 +18,10 @@ The JSON records both sides' threads (the originals' as their harness reports th
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -26,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from compare_tables import markdown_table, run_line
 from host import cpu_description
 
 BENCH = Path(__file__).resolve().parent
@@ -456,6 +461,12 @@ WORKLOADS = {  # name -> (each side of a round takes under a minute, function)
 }
 
 
+def versions() -> dict:
+    """jax's (this Python's) and torch's (the originals' Python) versions."""
+    torch = run([os.environ["REF_PY"], "-c", "import torch; print(torch.__version__)"])[0].strip()
+    return {"jax": importlib.metadata.version("jax"), "torch": torch}
+
+
 def check_originals() -> None:
     missing = [name for name in REF_ENV if not os.environ.get(name)]
     if missing:
@@ -477,6 +488,8 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the workloads under a minute")
     parser.add_argument("--markdown", default="compare.md", help="where to write the Markdown table")
+    parser.add_argument("--results", help="also store the run as JSON here (bench/results/HOST.json)")
+    parser.add_argument("--host-label", help="the host's short name in the tables (default: its CPU model)")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not a measurement)")
     parser.add_argument(
         "--threads",
@@ -496,12 +509,10 @@ def main() -> int:
     unknown = sorted(set(chosen) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
-    lines = [
-        "| workload | original (s) | jaxport (s) | ratio | jaxport compile (s) | peak RSS orig / jaxport (MB) |",
-        "|---|---|---|---|---|---|",
-    ]
+    records = []
     tmp = Path(tempfile.mkdtemp(prefix="jaxport_compare_"))
     cpu = cpu_description()
+    started = time.gmtime()
     for name in dict.fromkeys(chosen):
         short, function = WORKLOADS[name]
         rounds = [function(tmp, args.quick) for _ in range(args.repeat if short else 1)]
@@ -523,18 +534,23 @@ def main() -> int:
                 **cpu,
             }
             print(json.dumps(record), flush=True)
-            rss = f"{extras['original_peak_rss'] / 2**20:.0f} / {extras['jaxport_peak_rss'] / 2**20:.0f}"
-            lines.append(
-                f"| {label} | {record['original_s']:.4g} | {record['jaxport_s']:.4g} | **{ratio:.2f}** | "
-                f"{extras.get('jaxport_compile_s', '')} | {rss} |"
-            )
-    header = (
-        f"jaxport / PyTorch originals, back to back on {time.strftime('%Y-%m-%d')}, {cpu['cpu_count']} cores of "
-        f"{cpu['cpu_model']} ({', '.join(cpu['cpu_isa']) or 'no AVX2'}; {' '.join(os.uname()[::2])}), both sides "
-        f"on {args.threads} of them (CPU affinity; torch threads {args.threads}); ratio = original time / jaxport time"
-    )
-    Path(args.markdown).write_text(header + "\n\n" + "\n".join(lines) + "\n")
+            records.append(record)
+    results = {
+        "host": f"{cpu['cpu_count']} cores of {cpu['cpu_model']} ({', '.join(cpu['cpu_isa']) or 'no AVX2'}; "
+        f"{' '.join(os.uname()[::2])}), both sides on {args.threads} of them",
+        "short": args.host_label or cpu["cpu_model"],
+        "command": shlex.join(["python", "bench/compare.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d", started),
+        "utc": f"{time.strftime('%H:%M', started)}–{time.strftime('%H:%M', time.gmtime())}",
+        "versions": versions(),
+        "threads": args.threads,
+        "records": records,
+    }
+    Path(args.markdown).write_text(run_line(results) + "\n\n" + markdown_table(records) + "\n")
     print(f"wrote {args.markdown}")
+    if args.results:
+        Path(args.results).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {args.results}; python bench/compare_tables.py puts it in README.md and docs/performance.md")
     return 0
 
 
