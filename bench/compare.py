@@ -3,7 +3,9 @@ both times, the ratio (original time / jaxport time: above 1 means jaxport is fa
 time apart, the peak RSS of each side, and a Markdown table of the same.
 
     eval "$(../shared/originals/setup)"      # once: the originals' Python and source (REF_PY, REF_TRM, ...)
-    python bench/compare.py [--only trm_step,gpt_step,gpt_run,trm_loop,dream] [--repeat 3] [--threads N]
+    python bench/compare.py [--only trm_step,gpt_step,gpt_run,trm_loop,dream] [--repeat 3] [--threads N] \
+        [--results bench/results/HOST.json --host-label "AMD host"]
+    python bench/compare_tables.py           # README.md's and docs/performance.md's tables from bench/results
 
 Workloads that take under a minute run `--repeat` times, alternating original and jaxport, and report the
 median ratio; longer ones run once. Run it on a quiet machine: nothing else on the cores.
@@ -21,8 +23,10 @@ with 1 when a row fails that.
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -31,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from compare_tables import markdown_table, run_line
 from host import cpu_description
 
 BENCH = Path(__file__).resolve().parent
@@ -499,17 +504,16 @@ WORKLOADS = {  # name -> (each side of a round takes under a minute, function)
 }
 
 
-def summary(label: str, rounds: list[tuple], threads: int, cpu: dict) -> tuple[dict, str]:
-    """One workload's JSON record and Markdown row from its `(label, original s, jaxport s, extras)` of each round:
-    the median ratio with jaxport's compile time beside it (None where the timed run includes compiling)."""
+def summary(label: str, rounds: list[tuple], threads: int, cpu: dict) -> dict:
+    """One workload's JSON record from its `(label, original s, jaxport s, extras)` of each round: the median ratio
+    with jaxport's compile time beside it (None where the timed run includes compiling)."""
     up, ours, extras = [r[1] for r in rounds], [r[2] for r in rounds], rounds[-1][3]
     ratios = [u / o for u, o in zip(up, ours)]
-    ratio = statistics.median(ratios)
-    record = {
+    return {
         "workload": label,
         "original_s": round(statistics.median(up), 4),
         "jaxport_s": round(statistics.median(ours), 4),
-        "ratio": round(ratio, 3),
+        "ratio": round(statistics.median(ratios), 3),
         "jaxport_compile_s": extras.get("jaxport_compile_s"),
         "rounds": len(rounds),
         "round_ratios": [round(r, 3) for r in ratios],
@@ -517,15 +521,12 @@ def summary(label: str, rounds: list[tuple], threads: int, cpu: dict) -> tuple[d
         **side_conditions(threads, extras.get("original_threads")),
         **cpu,
     }
-    rss = f"{extras['original_peak_rss'] / 2**20:.0f} / {extras['jaxport_peak_rss'] / 2**20:.0f}"
-    compile_s = record["jaxport_compile_s"]
-    tokens = extras.get("tokens")
-    verdict = "" if tokens is None else f"{tokens['rows_equal']} equal, {'pass' if tokens['passed'] else 'FAIL'}"
-    line = (
-        f"| {label} | {record['original_s']:.4g} | {record['jaxport_s']:.4g} | **{ratio:.2f}** | "
-        f"{'in the time' if compile_s is None else compile_s} | {rss} | {verdict} |"
-    )
-    return record, line
+
+
+def versions() -> dict:
+    """jax's (this Python's) and torch's (the originals' Python) versions."""
+    torch = run([os.environ["REF_PY"], "-c", "import torch; print(torch.__version__)"])[0].strip()
+    return {"jax": importlib.metadata.version("jax"), "torch": torch}
 
 
 def check_originals() -> None:
@@ -549,6 +550,8 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the workloads under a minute")
     parser.add_argument("--markdown", default="compare.md", help="where to write the Markdown table")
+    parser.add_argument("--results", help="also store the run as JSON here (bench/results/HOST.json)")
+    parser.add_argument("--host-label", help="the host's short name in the tables (default: its CPU model)")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not a measurement)")
     parser.add_argument(
         "--threads",
@@ -568,29 +571,34 @@ def main() -> int:
     unknown = sorted(set(chosen) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
-    lines = [
-        "| workload | original (s) | jaxport (s) | ratio | jaxport compile (s) | peak RSS orig / jaxport (MB) "
-        "| tokens |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    records, failed = [], []
     tmp = Path(tempfile.mkdtemp(prefix="jaxport_compare_"))
     cpu = cpu_description()
-    failed = []
+    started = time.gmtime()
     for name in dict.fromkeys(chosen):
         short, function = WORKLOADS[name]
         rounds = [function(tmp, args.quick) for _ in range(args.repeat if short else 1)]
         for i, (label, *_rest) in enumerate(rounds[0]):
-            record, line = summary(label, [r[i] for r in rounds], args.threads, cpu)
+            record = summary(label, [r[i] for r in rounds], args.threads, cpu)
             print(json.dumps(record), flush=True)
-            lines.append(line)
+            records.append(record)
             failed += [label] if any(r[i][3].get("tokens", {}).get("passed") is False for r in rounds) else []
-    header = (
-        f"jaxport / PyTorch originals, back to back on {time.strftime('%Y-%m-%d')}, {cpu['cpu_count']} cores of "
-        f"{cpu['cpu_model']} ({', '.join(cpu['cpu_isa']) or 'no AVX2'}; {' '.join(os.uname()[::2])}), both sides "
-        f"on {args.threads} of them (CPU affinity; torch threads {args.threads}); ratio = original time / jaxport time"
-    )
-    Path(args.markdown).write_text(header + "\n\n" + "\n".join(lines) + "\n")
+    results = {
+        "host": f"{cpu['cpu_count']} cores of {cpu['cpu_model']} ({', '.join(cpu['cpu_isa']) or 'no AVX2'}; "
+        f"{' '.join(os.uname()[::2])}), both sides on {args.threads} of them",
+        "short": args.host_label or cpu["cpu_model"],
+        "command": shlex.join(["python", "bench/compare.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d", started),
+        "utc": f"{time.strftime('%H:%M', started)}–{time.strftime('%H:%M', time.gmtime())}",
+        "versions": versions(),
+        "threads": args.threads,
+        "records": records,
+    }
+    Path(args.markdown).write_text(run_line(results) + "\n\n" + markdown_table(records) + "\n")
     print(f"wrote {args.markdown}")
+    if args.results:
+        Path(args.results).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {args.results}; python bench/compare_tables.py puts it in README.md and docs/performance.md")
     for label in failed:
         print(f"FAILED: {label}: jaxport's tokens differ from Fast-dLLM's (its JSON line's `tokens`)", file=sys.stderr)
     return 1 if failed else 0

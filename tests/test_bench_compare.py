@@ -91,10 +91,12 @@ def test_main_exits_with_the_verdict(compare, monkeypatch, tmp_path, capsys):
         monkeypatch.setitem(compare.WORKLOADS, name, (False, lambda tmp, quick, row=row: [row]))
     for name in compare.REF_ENV:
         monkeypatch.setenv(name, "unused")
-    markdown = tmp_path / "compare.md"
+    monkeypatch.setattr(compare, "versions", lambda: {"jax": "x", "torch": "y"})  # no originals' Python here
+    markdown, results = tmp_path / "compare.md", tmp_path / "results.json"
 
     def main(only: str) -> int:
-        monkeypatch.setattr(sys, "argv", ["compare.py", "--only", only, "--markdown", str(markdown)])
+        argv = ["compare.py", "--only", only, "--markdown", str(markdown), "--results", str(results)]
+        monkeypatch.setattr(sys, "argv", argv)
         return compare.main()
 
     assert main("same") == 0
@@ -104,3 +106,5 @@ def test_main_exits_with_the_verdict(compare, monkeypatch, tmp_path, capsys):
     assert main("same,forced") == 1
     assert "FAILED: fastdllm forced" in capsys.readouterr().err
     assert "7/8 equal, FAIL |" in markdown.read_text()
+    # the stored run keeps the verdict, so the tables rendered from it show it too
+    assert [r["tokens"]["passed"] for r in json.loads(results.read_text())["records"]] == [True, False]
