@@ -7,6 +7,8 @@
 A generated block sits between `<!-- compare:begin results=FILE[,FILE...] [style=full|ratios] -->` and
 `<!-- compare:end -->`: `full` (the default) is compare.py's own table for one results file, headed by the run's
 command, host, date and versions; `ratios` is one table of the ratios of several hosts beside each workload's goal.
+Both put jaxport's compile time beside every ratio, and `full` the tokens' pass/fail of decoding workloads; a cell
+whose stored record holds no such value says "not recorded".
 Standard library only, as compare.py."""
 
 import argparse
@@ -47,33 +49,57 @@ def run_line(results: dict) -> str:
     )
 
 
+def compile_cell(record: dict) -> str:
+    """jaxport's compile time beside a ratio: seconds, or where the timed run includes compiling (None), or that the
+    stored record has none."""
+    if "jaxport_compile_s" not in record:
+        return "not recorded"
+    seconds = record["jaxport_compile_s"]
+    return "in the time" if seconds is None else f"{seconds}"
+
+
+def tokens_cell(record: dict) -> str:
+    """The pass/fail of a decoding workload's tokens (compare.py's `fastdllm_verdict`), or that none is stored."""
+    verdict = record.get("tokens")
+    if verdict is None:
+        return "not recorded"
+    return f"{verdict['rows_equal']} equal, {'pass' if verdict['passed'] else 'FAIL'}"
+
+
 def markdown_table(records: list[dict]) -> str:
-    """compare.py's table: both times, the ratio, jaxport's compilation and both peak RSS; decoding workloads that
-    report tokens/s and token equality (fastdllm) add them."""
-    tokens = any("rows_equal" in r or "jaxport_new_tokens_per_s" in r for r in records)
-    head = ["workload", "original (s)", "jaxport (s)", "ratio"]
+    """compare.py's table: both times, the ratio with jaxport's compilation beside it, and both peak RSS; decoding
+    workloads that report tokens/s and token equality (fastdllm) add them and the tokens' pass/fail."""
+    tokens = any("rows_equal" in r or "jaxport_new_tokens_per_s" in r or "tokens" in r for r in records)
+    head = ["workload", "original (s)", "jaxport (s)", "ratio", "jaxport compile (s)"]
     head += ["new tokens/s, original → jaxport", "rows equal to the original's"] if tokens else []
-    head += ["jaxport compile (s)", "peak RSS orig / jaxport (MB)"]
+    head += ["tokens against the original's batch 1"] if tokens else []
+    head += ["peak RSS orig / jaxport (MB)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         cells = [r["workload"], f"{r['original_s']:.4g}", f"{r['jaxport_s']:.4g}", f"**{r['ratio']:.2f}**"]
+        cells.append(compile_cell(r))
         if tokens:
             speeds = (r.get("original_new_tokens_per_s"), r.get("jaxport_new_tokens_per_s"))
             cells += [f"{speeds[0]:,} → {speeds[1]:,}" if None not in speeds else "", r.get("rows_equal", "")]
-        rss = f"{r['original_peak_rss'] / 2**20:.0f} / {r['jaxport_peak_rss'] / 2**20:.0f}"
-        cells += [f"{r.get('jaxport_compile_s', '')}", rss]
+            cells.append(tokens_cell(r))
+        cells.append(f"{r['original_peak_rss'] / 2**20:.0f} / {r['jaxport_peak_rss'] / 2**20:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def ratios_table(runs: list[dict]) -> str:
-    """One row per workload: its goal and each host's ratio, the host named by the results' `short` name."""
-    head = ["workload", "goal", *(results["short"] for results in runs)]
-    by_host = [{r["workload"]: r["ratio"] for r in results["records"]} for results in runs]
-    workloads = list(dict.fromkeys(w for ratios in by_host for w in ratios))
+    """One row per workload: its goal and each host's ratio with jaxport's compile time beside it, the host named
+    by the results' `short` name."""
+    head = ["workload", "goal"]
+    for results in runs:
+        head += [results["short"], f"{results['short']}: jaxport compile (s)"]
+    by_host = [{r["workload"]: r for r in results["records"]} for results in runs]
+    workloads = list(dict.fromkeys(w for records in by_host for w in records))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w in workloads:
-        cells = [f"**{ratios[w]:.2f}**" if w in ratios else "" for ratios in by_host]
+        cells = []
+        for records in by_host:
+            cells += [f"**{records[w]['ratio']:.2f}**", compile_cell(records[w])] if w in records else ["", ""]
         lines.append("| " + " | ".join([w, goal(w), *cells]) + " |")
     return "\n".join(lines)
 

@@ -11,8 +11,10 @@ peak. `bench/compare.py --only fastdllm` runs it beside `../shared/originals/ben
 `run` takes the harness's flags and Fast-dLLM's `--alg` names (`confidence_threshold`, else the scheduled entropy
 ranking) and decodes as Fast-dLLM does (`jaxport.dream.settings.fastdllm_settings`). Batches of several rows are
 left-padded with the pad id and an attention mask, as the harness pads them. Warm-up: one untimed batch of each
-prompt shape (jaxport's compilation, reported as `compile_s`; Fast-dLLM has nothing to compile and the harness
-warms up on one batch).
+prompt shape (jaxport's compilation, reported as `compile_s`, the calls as `warmup_calls`; Fast-dLLM has nothing to
+compile and the harness warms up on one batch). Each row also gets its `decision_margins`
+(`jaxport.dream.fast.decision_margins`, below `near_tie` a near-tie), by which `compare.py` judges a row whose
+tokens differ from Fast-dLLM's.
 """
 
 import argparse
@@ -27,6 +29,7 @@ import numpy as np
 from _common import emit, environment, peak_rss_bytes, utilisation
 
 from jaxport import dream
+from jaxport.dream.fast import NEAR_TIE, decision_margins
 from jaxport.dream.params import load_model, save_pretrained
 from jaxport.dream.settings import fastdllm_settings
 
@@ -83,10 +86,9 @@ def forward_flops(config, queries: int, keys: int) -> float:
     return layers + 2 * queries * D * config.vocab_size
 
 
-def algorithm_flops(model, ids, mask, s: dict) -> float:
+def algorithm_flops(config, ids, out, s: dict) -> float:
     """FLOPs of Fast-dLLM's algorithm on these rows (as Fast-dLLM computes it: every window position projected to
-    the vocabulary), with the steps each block takes here."""
-    out = model.diffusion_generate(ids, mask, output_scores=True, **s)
+    the vocabulary), with the steps each block takes here (`out`: their generation with `output_scores`)."""
     n_transfer = np.asarray(out.n_transfer).max(axis=1)  # per step, > 0 where the batch still had masks
     L, width, new = ids.shape[1], s["block_length"], s["max_new_tokens"]
     N, blocks = L + new, new // width
@@ -96,7 +98,7 @@ def algorithm_flops(model, ids, mask, s: dict) -> float:
         start = L + block * width
         taken = int((n_transfer[block * per_block : (block + 1) * per_block] > 0).sum())
         window = width if s["cache"] == "dual" else N - start
-        total += forward_flops(model.config, N, N) + max(taken - 1, 0) * forward_flops(model.config, window, N)
+        total += forward_flops(config, N, N) + max(taken - 1, 0) * forward_flops(config, window, N)
     return ids.shape[0] * total
 
 
@@ -113,7 +115,8 @@ def run(args):
             return model.diffusion_generate(ids, mask, return_dict_in_generate=False, **s)
 
         start = time.perf_counter()
-        for shape in dict.fromkeys((ids.shape, mask is None) for ids, mask in work):
+        shapes = dict.fromkeys((ids.shape, mask is None) for ids, mask in work)
+        for shape in shapes:
             ids, mask = next((i, m) for i, m in work if (i.shape, m is None) == shape)
             jax.block_until_ready(generate(ids, mask))
         compile_s = time.perf_counter() - start
@@ -130,19 +133,28 @@ def run(args):
             for r in range(ids.shape[0])
         ]
         median = statistics.median(times)
-        flops = sum(algorithm_flops(model, ids, mask, s) for ids, mask in work)
+        flops, margins = 0.0, []
+        for ids, mask in work:  # untimed: the same generation with its scores
+            scored = model.diffusion_generate(ids, mask, output_scores=True, **s)
+            flops += algorithm_flops(config, ids, scored, s)
+            by_position = decision_margins(scored, ids.shape[1], s["block_length"], s.get("threshold"))
+            margins += [[float(m) if np.isfinite(m) else None for m in row] for row in by_position]
         emit(
             {
                 "batch": size,
                 "rows": len(rows),
                 "settings": s,
                 "compile_s": round(compile_s, 2),
+                "warmup_calls": len(shapes),
                 "times_s": [round(t, 4) for t in times],
                 "median_s": round(median, 4),
                 "new_tokens_per_s": round(len(rows) * args.max_new_tokens / median, 1),
                 "algorithm_flops": flops,
                 **utilisation(flops, median, "float32", peaks),
                 "sequences": sequences,
+                # per row and new position: how close jaxport's decisions up to that position's came to a tie
+                "decision_margins": margins,
+                "near_tie": NEAR_TIE,
                 "peak_rss_bytes": peak_rss_bytes(),
                 "machine": environment(),
             }

@@ -38,3 +38,27 @@ def test_a_stale_table_is_found_and_rewritten_from_the_results(tmp_path, monkeyp
     assert "**9.99**" in rewritten and "| old |" not in rewritten
     assert rewritten.startswith("before\n") and rewritten.endswith("<!-- compare:end -->\nafter\n")
     assert compare_tables.stale_blocks(rewritten) == []
+
+
+def test_compile_time_and_the_tokens_verdict_beside_every_ratio():
+    """A stored record without a compile time or a verdict says so; None is a timed run that includes compiling."""
+    base = {"original_s": 2.0, "jaxport_s": 1.0, "ratio": 2.0, "original_peak_rss": 2**20, "jaxport_peak_rss": 2**21}
+    verdict = {"rows_equal": "7/8", "rows_differing_after_a_near_tie": [], "rows_differing_otherwise": [3]}
+    records = [
+        {**base, "workload": "judged", "jaxport_compile_s": 4.5, "tokens": {**verdict, "passed": False}},
+        {**base, "workload": "compiled in the time", "jaxport_compile_s": None, "rows_equal": "2/4"},
+        {**base, "workload": "stored without either", "rows_equal": "4/4"},
+    ]
+    lines = compare_tables.markdown_table(records).splitlines()
+    assert lines[0].startswith("| workload | original (s) | jaxport (s) | ratio | jaxport compile (s) |")
+    assert "| **2.00** | 4.5 |" in lines[2] and "| 7/8 equal, FAIL |" in lines[2]
+    assert "| **2.00** | in the time |" in lines[3] and "| 2/4 | not recorded |" in lines[3]
+    assert "| **2.00** | not recorded |" in lines[4] and "| 4/4 | not recorded |" in lines[4]
+    run = {"short": "host", "records": records}
+    ratios = compare_tables.ratios_table([run]).splitlines()
+    assert ratios[0] == "| workload | goal | host | host: jaxport compile (s) |"
+    assert ratios[2:] == [
+        "| judged |  | **2.00** | 4.5 |",
+        "| compiled in the time |  | **2.00** | in the time |",
+        "| stored without either |  | **2.00** | not recorded |",
+    ]

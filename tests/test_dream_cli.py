@@ -83,6 +83,16 @@ def test_generate_watch_and_chat(capsys):
         (["--prompt", "x", "--alg", "greedy"], "unknown alg 'greedy'"),
         (["--prompt", "x", "--dtype", "int8"], "unsupported dtype 'int8'"),
         (["--prompt", "x", "--steps", "99", "--max-new-tokens", "8"], "steps=99 must be between 1 and"),
+        # the bad value is named, not the rule between it and --steps
+        (
+            ["--prompt", "hi", "--max-new-tokens", "-4", "--steps", "4"],
+            "max_new_tokens: must be a positive integer, got -4",
+        ),
+        (["--prompt", "hi", "--max-new-tokens", "-4"], "max_new_tokens: must be a positive integer, got -4"),
+        (
+            ["--prompt", "hi", "--max-new-tokens", "8", "--steps", "9", "--top-k", "0"],
+            "top_k: must be a positive integer",
+        ),
     ],
 )
 def test_generate_errors(capsys, args, message):

@@ -65,6 +65,29 @@ def test_the_tokens_fastdllm_produced(name):
         np.testing.assert_array_equal(ours[rows], np.asarray(expected)[rows], err_msg=f"batch {recorded}")
 
 
+def test_decision_margins_follow_each_position_to_the_step_that_decided_it():
+    """A block of 4 new tokens after a 1-token prompt, one row: step 0 fixes the first position (no choice), step 1
+    unmasks the best of three (0.9 against 0.5), step 2 the better of two near-equal scores, step 3 the last (no
+    choice). Each position carries the smallest margin up to its own decision; a threshold step measures the
+    distance from the threshold."""
+    off = -np.inf
+    confidence = np.array(
+        [
+            [[off, 0.7, off, off, off]],
+            [[off, off, 0.9, 0.5, 0.5 - 1e-7]],
+            [[off, off, off, 0.5, 0.5 - 1e-7]],
+            [[off, off, off, off, 0.3]],
+        ]
+    )
+    out = dream.GenerationOutput(sequences=None, confidence=confidence, n_transfer=np.ones((4, 1), np.int32))
+    ranked = fast.decision_margins(out, 1, 4)
+    np.testing.assert_allclose(ranked, [[np.inf, 0.4 / 0.9, 2e-7, 2e-7]], rtol=1e-6)
+    assert ranked[0, 2] < fast.NEAR_TIE <= ranked[0, 1]
+    # 0.9 is 0.05 short of the threshold at step 1; at step 2 no score reaches it and the best leads by 1e-7
+    by_threshold = fast.decision_margins(out, 1, 4, threshold=0.95)
+    np.testing.assert_allclose(by_threshold, [[np.inf, 0.05, 1e-7, 1e-7]], rtol=1e-6)
+
+
 def test_the_fixture_is_current():
     """Fast-dLLM's settings in the fixture are jaxport's of the recording tool (which `case.json` names)."""
     import importlib.util

@@ -197,6 +197,46 @@ def test_bad_generation_arguments(model, data, kwargs, message):
         model.diffusion_generate(inputs["input_ids"], inputs["attention_mask"], **kwargs)
 
 
+# (setting, bad value, what the error says): every value is checked on its own before any rule between them
+BAD_SETTINGS = [
+    ("max_new_tokens", -4, "must be a positive integer, got -4"),
+    ("max_new_tokens", 2.5, "Input should be a valid integer, got a number with a fractional part, got 2.5"),
+    ("max_length", 0, "must be a positive integer, got 0"),
+    ("steps", 0, "must be a positive integer, got 0"),
+    ("steps", True, "expected a number, got True"),
+    ("alg", "greedy", "unknown alg 'greedy'; choose one of origin, maskgit_plus, topk_margin, entropy"),
+    ("eps", 1.0, "must be in (0, 1), got 1.0"),
+    ("block_length", 0, "must be a positive integer, got 0"),
+    ("cache", "full", "must be None, 'prefix' or 'dual', got 'full'"),
+    ("schedule", "fast", "unknown schedule 'fast'; choose one of jaxport, fastdllm"),
+    ("temperature", -1, "must be >= 0, got -1.0"),
+    ("top_p", 0, "must be in (0, 1], got 0.0"),
+    ("top_k", 0, "must be a positive integer, got 0"),
+    ("alg_temp", -0.5, "must be >= 0, got -0.5"),
+    ("threshold", 1.5, "must be in (0, 1], got 1.5"),
+    ("threshold", [0.5, 0.0], "row 1: must be in (0, 1], got 0.0"),
+]
+
+
+@pytest.mark.parametrize("name, value, problem", BAD_SETTINGS)
+def test_each_setting_is_checked_before_the_rules_between_them(model, data, name, value, problem):
+    inputs, _ = data
+    # 9 steps for 8 new tokens breaks a rule between settings: the bad value is named instead
+    canvas = {"max_length": 20} if name == "max_length" else {"max_new_tokens": 8}
+    kwargs = {**canvas, "steps": 9, name: value}
+    with pytest.raises(JaxportError) as raised:
+        model.diffusion_generate(inputs["input_ids"], inputs["attention_mask"], **kwargs)
+    assert str(raised.value) == f"{name}: {problem}"
+
+
+def test_text_api_names_a_bad_max_new_tokens(model):
+    tokenizer = dream.DreamTokenizer.from_model_dir(CASE / "model", model.config)
+    with pytest.raises(JaxportError, match=r"^max_new_tokens: must be a positive integer, got -4$"):
+        dream.generate(model, tokenizer, "hi", max_new_tokens=-4)
+    with pytest.raises(JaxportError, match=r"^batch_size: must be a positive integer, got -1$"):
+        dream.generate(model, tokenizer, "hi", max_new_tokens=8, batch_size=-1)
+
+
 def test_bad_input_ids(model):
     with pytest.raises(JaxportError, match=r"token ids must lie in \[0, 512\)"):
         model.diffusion_generate(np.array([[1, 600]]), max_new_tokens=4, steps=2)

@@ -170,5 +170,12 @@ def test_bad_model_arguments_are_named():
         DreamLM(str(MODEL), nll_type="ar_ftb")
     with pytest.raises(JaxportError, match="batch_size='auto': expected a positive integer"):
         DreamLM(str(MODEL), batch_size="auto")
+    # the generation settings are checked before the model loads, each on its own before the rules between them
+    with pytest.raises(JaxportError, match=r"^diffusion_steps: must be a positive integer, got 0$"):
+        DreamLM(str(MODEL), diffusion_steps=0)
+    with pytest.raises(JaxportError, match=r"^top_p: must be in \(0, 1\], got 1.5$"):
+        DreamLM(str(MODEL), max_new_tokens=8, diffusion_steps=9, top_p=1.5)
+    with pytest.raises(JaxportError, match=r"^steps: steps=9 must be between 1 and the number of new tokens \(8\)$"):
+        DreamLM(str(MODEL), max_new_tokens=8, diffusion_steps=9)
     with pytest.raises(NotImplementedError, match="rolling"):
         DreamLM(str(MODEL)).loglikelihood_rolling([])

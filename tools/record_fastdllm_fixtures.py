@@ -13,12 +13,12 @@ held-out task problems of one token length (`task_prompts.jsonl`) and random ids
 lengths so that Fast-dLLM's prefix cache runs them batched. Every case is greedy with blocks of 32.
 
 For each case `case.json` holds Fast-dLLM's settings, jaxport's equivalent, the new tokens Fast-dLLM produced
-per batch size, and per row the smallest decision margin jaxport's own scores show (the gap between the last
-unmasked and the first kept confidence at a ranked step, relative to their size; the distance of a probability
-from the threshold at a threshold step). A margin of 0 is an exact tie, where the order is implementation-defined
-(`torch.topk` against jaxport's leftmost rule): such rows are listed under `ties`; rows under `near_ties` (below
-`NEAR_TIE`) may be ordered differently by float rounding alone. The tests claim Fast-dLLM's tokens for the
-other rows only.
+per batch size, and per row the smallest decision margin jaxport's own scores show
+(`jaxport.dream.fast.decision_margins`: the gap between the last unmasked and the first kept confidence at a ranked
+step, relative to their size; the distance of a probability from the threshold at a threshold step). A margin of 0
+is an exact tie, where the order is implementation-defined (`torch.topk` against jaxport's leftmost rule): such
+rows are listed under `ties`; rows under `near_ties` (below `NEAR_TIE`) may be ordered differently by float
+rounding alone. The tests claim Fast-dLLM's tokens for the other rows only.
 """
 
 import argparse
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxport.dream.fast import NEAR_TIE, decision_margins
 from jaxport.dream.settings import GenerationSettings, fastdllm_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +41,6 @@ FIXTURE = REPO / "tests" / "fixtures" / "dream" / "fastdllm"
 TASK_MODEL = REPO / "tests" / "fixtures" / "dream" / "task_model"
 COMMAND = 'eval "$(../shared/originals/setup)" && python tools/record_fastdllm_fixtures.py'
 BLOCK = 32
-NEAR_TIE = 1e-5  # relative margin under which torch's and XLA's float rounding may order two scores differently
 PROMPTS = 8  # per model; a case uses the first `rows`
 
 # name: (model, new tokens, steps, cache, Fast-dLLM's alg, Fast-dLLM's batch sizes, rows)
@@ -146,31 +146,11 @@ def run_fastdllm(model_dir: Path, prompts: Path, rows: int, new_tokens, steps, c
 
 
 def margins(model, ids: np.ndarray, settings: dict) -> tuple[list[float], np.ndarray]:
-    """Per row, the smallest gap jaxport's scores leave at a decision (see the module docstring), and jaxport's
-    new tokens."""
+    """Per row, the smallest gap jaxport's scores leave at a decision (`jaxport.dream.fast.decision_margins`), and
+    jaxport's new tokens."""
     out = model.diffusion_generate(ids, output_scores=True, **settings)
-    confidence, n_transfer = np.asarray(out.confidence, np.float64), np.asarray(out.n_transfer)
-    L, threshold = ids.shape[1], settings.get("threshold")
-    steps_per_block = confidence.shape[0] // (settings["max_new_tokens"] // BLOCK)
-    smallest = np.full(ids.shape[0], np.inf)
-    for step in range(confidence.shape[0]):
-        if step % steps_per_block == 0:  # a block's first step fixes its first position: no choice
-            continue
-        for row in range(ids.shape[0]):
-            scores = confidence[step, row, L:]
-            scores = np.sort(scores[np.isfinite(scores)])[::-1]
-            n = int(n_transfer[step, row])
-            if not len(scores) or n == 0:
-                continue
-            if threshold is not None:
-                gaps = np.abs(scores - threshold)
-                if scores[0] < threshold and len(scores) > 1:  # the best alone: its lead decides
-                    gaps = np.append(gaps, scores[0] - scores[1])
-                smallest[row] = min(smallest[row], gaps.min())
-            elif n < len(scores):
-                a, b = scores[n - 1], scores[n]
-                smallest[row] = min(smallest[row], (a - b) / max(abs(a), abs(b), 1e-30))
-    return [float(m) for m in smallest], np.asarray(out.sequences)[:, L:]
+    by_position = decision_margins(out, ids.shape[1], BLOCK, settings.get("threshold"))
+    return [float(m) for m in by_position.min(axis=1)], np.asarray(out.sequences)[:, ids.shape[1] :]
 
 
 def write_fixture(path: Path, fixture: dict):

@@ -72,6 +72,14 @@ def _fast_args(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
+def _steps(args) -> int:
+    """--steps, by default --max-new-tokens, which is checked first: a bad one is named as itself, not as steps."""
+    from jaxport.dream.settings import count
+
+    new_tokens = count("max_new_tokens", args.max_new_tokens)
+    return new_tokens if args.steps is None else args.steps  # --steps 0 is an error, not the default
+
+
 def _settings(args, steps: int, **row) -> dict:
     """The generation settings of the flags, validated before any model is loaded (`GenerationSettings`)."""
     from jaxport.dream.settings import GenerationSettings
@@ -82,7 +90,7 @@ def _settings(args, steps: int, **row) -> dict:
 
 def _generation_args(args) -> dict:
     """`diffusion_generate`'s arguments from `jaxport dream generate`'s flags, validated before any model is loaded."""
-    steps = args.max_new_tokens if args.steps is None else args.steps  # --steps 0 is an error, not the default
+    steps = _steps(args)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
     return dict(max_new_tokens=args.max_new_tokens, **_settings(args, steps, eps=args.eps, **sampling))
 
@@ -176,6 +184,7 @@ def bench(args) -> int:
     from jaxport import dream
     from jaxport.dream import throughput
 
+    steps = _steps(args)
     mesh = _mesh(args.mesh)
     if args.random_init:
         model = dream.random_model(dream.preset(args.random_init), dtype=args.dtype, mesh=mesh, seed=args.seed)
@@ -184,7 +193,6 @@ def bench(args) -> int:
     else:
         raise JaxportError("give --model DIR or --random-init SIZE (7b, 40m, tiny)")
     batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
-    steps = args.max_new_tokens if args.steps is None else args.steps
     result = throughput.run(
         model,
         prompt_len=args.prompt_len,
@@ -343,7 +351,7 @@ def _compile_generate(args) -> int:
     texts = [prompt_text(tokenizer, item, args.chat, args.system) for item in _read_prompts(args)]
     prompt_len = max(len(tokenizer.encode(t)) for t in texts)
     rows = (texts * args.batch_size)[: args.batch_size]  # a full batch, as the first batch of enough prompts
-    steps = args.max_new_tokens if args.steps is None else args.steps
+    steps = _steps(args)
     generation = _generation_args(args)
 
     def build(devices, spec=args.mesh):

@@ -321,3 +321,41 @@ def generate_blocks(
     """
     prepared = prepare_generation(model, input_ids, attention_mask, blockwise=True, **generation_args)
     return run_blocks(model, prepared, programs)
+
+
+NEAR_TIE = 1e-5  # relative margin under which torch's and XLA's float rounding may order two scores differently
+
+
+def decision_margins(out: GenerationOutput, prompt_len: int, block_length: int, threshold=None) -> np.ndarray:
+    """How close each new token came to another decision: `[B, new tokens]`, for each new position the smallest
+    margin of its row's decisions up to the step that decided it (inf before any choice). A decision's margin is
+    the gap between the last unmasked and the first kept score at a ranked step, relative to their size, or the
+    distance of a probability from `threshold` (and the best score's lead when none reaches it) at a threshold
+    step; a block's first step fixes its first position, no choice. `out`: a block-wise `diffusion_generate` with
+    `output_scores` of `prompt_len`-token prompts. A margin of 0 is an exact tie, under `NEAR_TIE` a near-tie."""
+    confidence, n_transfer = np.asarray(out.confidence, np.float64), np.asarray(out.n_transfer)
+    steps, B, N = confidence.shape
+    steps_per_block = steps // ((N - prompt_len) // block_length)
+    at_step = np.full((steps, B), np.inf)
+    for step in range(steps):
+        if step % steps_per_block == 0:
+            continue
+        for row in range(B):
+            scores = confidence[step, row, prompt_len:]
+            scores = np.sort(scores[np.isfinite(scores)])[::-1]
+            n = int(n_transfer[step, row])
+            if not len(scores) or n == 0:
+                continue
+            if threshold is not None:
+                gaps = np.abs(scores - threshold)
+                if scores[0] < threshold and len(scores) > 1:  # the best alone: its lead decides
+                    gaps = np.append(gaps, scores[0] - scores[1])
+                at_step[step, row] = gaps.min()
+            elif n < len(scores):
+                a, b = scores[n - 1], scores[n]
+                at_step[step, row] = (a - b) / max(abs(a), abs(b), 1e-30)
+    so_far = np.minimum.accumulate(at_step, axis=0)
+    # a position is decided at the last step that scored it as a mask
+    scored = np.isfinite(confidence[:, :, prompt_len:])
+    decided = steps - 1 - np.argmax(scored[::-1], axis=0)  # [B, new]
+    return np.where(scored.any(axis=0), so_far[decided, np.arange(B)[:, None]], np.inf)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from jaxport import dream, runtime
 from jaxport.dream.config import DreamConfig
 from jaxport.dream.params import parse_mesh
+from jaxport.dream.settings import GenerationSettings, count
 from jaxport.errors import JaxportError
 
 MODEL_NAME = "jaxport-dream"
@@ -139,9 +140,8 @@ class DreamLM(LM):
             dtype = DreamConfig.from_model_dir(pretrained).torch_dtype
         mesh = parse_mesh(str(mesh).replace("x", ",")) if mesh else None
         self.pretrained = str(pretrained)
-        self.model, self.tokenizer = dream.load(pretrained, dtype=dtype, mesh=mesh)
         self.sampling = {
-            "steps": self.max_new_tokens if diffusion_steps is None else diffusion_steps,
+            "steps": self.max_new_tokens if diffusion_steps is None else count("diffusion_steps", diffusion_steps),
             "alg": alg,
             "temperature": temperature,
             "top_p": top_p,
@@ -151,6 +151,8 @@ class DreamLM(LM):
             "cache": cache,
             "threshold": threshold,
         }
+        GenerationSettings.of(**self.sampling).check(self.max_new_tokens)  # before the model loads
+        self.model, self.tokenizer = dream.load(pretrained, dtype=dtype, mesh=mesh)
         if self.add_bos_token and "bos_token" not in self.tokenizer.special:
             raise JaxportError(f"{pretrained}: add_bos_token=true, but tokenizer_config.json names no bos_token")
 

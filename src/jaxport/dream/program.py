@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxport import runtime
 from jaxport.dream.sampling import Branches, Rows
-from jaxport.dream.settings import GenerationSettings, ProgramSettings
+from jaxport.dream.settings import GenerationSettings, ProgramSettings, count
 from jaxport.errors import JaxportError
 
 
@@ -138,9 +138,11 @@ def _new_tokens(model, input_ids, max_length: int | None, max_new_tokens: int | 
         f"token ids must lie in [0, {vocab}) (vocab_size)",
     )
     if max_new_tokens is not None:
-        max_length = L + max_new_tokens
+        max_length = L + count("max_new_tokens", max_new_tokens)
     elif max_length is None:
         max_length = 20  # upstream DreamGenerationConfig default
+    else:
+        max_length = count("max_length", max_length)
     _check(
         "max_length",
         L < max_length,
@@ -217,9 +219,10 @@ def prepare_generation(
     in a batch with padded rows (a padded batch cannot drop the mask).
     """
     input_ids = np.asarray(input_ids)
+    settings = GenerationSettings.of(**settings)  # each value on its own, before the rules relating them
     new_tokens = _new_tokens(model, input_ids, max_length, max_new_tokens)
     B = input_ids.shape[0]
-    checked = GenerationSettings.of(**settings).check(new_tokens, blockwise, batch=B)
+    checked = settings.check(new_tokens, blockwise, batch=B)
     mask_token_id = model.config.mask_token_id if mask_token_id is None else int(mask_token_id)
     first = _first_position(
         input_ids,

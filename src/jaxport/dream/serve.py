@@ -46,6 +46,7 @@ from jaxport.dream.settings import (
     Probability,
     ProgramSettings,
     Schedule,
+    problem,
 )
 from jaxport.errors import JaxportError
 
@@ -182,8 +183,8 @@ class StreamOptions(_Body):
 
 class GenerationRequest(_Body):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1)
+    max_tokens: Count | None = None
+    n: Count = 1
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stream: bool = False
@@ -222,7 +223,7 @@ class Message(_Body):
 
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Count | None = None
 
 
 FIELDS = {
@@ -271,9 +272,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {error['msg']}")
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)[1:]
-    # jaxport's own rules (jaxport.dream.settings) say what is expected and the value given
-    message = error["ctx"]["error"] if error["type"] == "value_error" else error["msg"]
-    return APIError(400, f"{path}: {message}", str(loc[0]))
+    return APIError(400, f"{path}: {problem(error)}", str(loc[0]))
 
 
 def _generation_error(err: Exception) -> APIError:

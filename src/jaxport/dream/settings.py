@@ -10,8 +10,10 @@ The settings fall in two groups, by what a compiled decoding program makes of th
   rule: one compiled program serves every value.
 
 `GenerationSettings` holds both, flat, as `diffusion_generate` takes them. `of(**arguments)` validates and
-raises one `JaxportError` naming the argument, its value and what is expected; `check(new_tokens)` adds the
-rules that need the canvas (steps and blocks must divide it).
+raises one `JaxportError` naming the argument, its value and what is expected; `check(new_tokens)` checks the
+number of new tokens likewise, then adds the rules that relate settings to it and to each other (steps and blocks
+must divide it): each value is checked on its own before any rule between values, so an error names the value
+that is wrong.
 """
 
 from typing import Annotated, Any
@@ -47,26 +49,42 @@ def _one_of(choices: tuple, what: str):
     return AfterValidator(check)
 
 
-def _python_scalar(value):
-    """numpy scalars as the Python numbers they hold (`steps=np.int64(8)` is an integer here)."""
+def _number(value):
+    """numpy scalars as the Python numbers they hold (`steps=np.int64(8)` is an integer here); a bool is no number
+    (pydantic would read `steps=True` as 1)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"expected a number, got {value!r}")
     return value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
 
 
-Count = Annotated[int, BeforeValidator(_python_scalar), _rule(lambda v: v >= 1, "must be a positive integer")]
-NonNegative = Annotated[float, BeforeValidator(_python_scalar), _rule(lambda v: v >= 0, "must be >= 0")]
-Probability = Annotated[float, BeforeValidator(_python_scalar), _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")]
-Fraction = Annotated[float, BeforeValidator(_python_scalar), _rule(lambda v: 0 < v < 1, "must be in (0, 1)")]
+Count = Annotated[int, BeforeValidator(_number), _rule(lambda v: v >= 1, "must be a positive integer")]
+NonNegative = Annotated[float, BeforeValidator(_number), _rule(lambda v: v >= 0, "must be >= 0")]
+Probability = Annotated[float, BeforeValidator(_number), _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")]
+Fraction = Annotated[float, BeforeValidator(_number), _rule(lambda v: 0 < v < 1, "must be in (0, 1)")]
 Algorithm = Annotated[str, _one_of(ALGORITHMS, "alg")]
 Cache = Annotated[str, _rule(lambda v: v in CACHES, "must be None, 'prefix' or 'dual'")]
 Schedule = Annotated[str, _one_of(SCHEDULES, "schedule")]
 
 
-def _problem(err: ValidationError) -> str:
-    """What is wrong, in jaxport's words where its own rule failed, else pydantic's with the value given."""
-    error = err.errors()[0]
+def problem(error: dict) -> str:
+    """What is wrong in one pydantic error (`ValidationError.errors()` item): jaxport's words where its own rule
+    failed, else pydantic's with the value given."""
     if error["type"] == "value_error":
         return str(error["ctx"]["error"])
+    if error["type"] == "missing":  # its input is the whole object the field is missing from
+        return error["msg"]
     return f"{error['msg']}, got {error['input']!r}"
+
+
+_COUNT = TypeAdapter(Count)
+
+
+def count(name: str, value) -> int:
+    """`value`, checked as a positive integer (as `steps`), or a `JaxportError` naming `name` and the value."""
+    try:
+        return _COUNT.validate_python(value)
+    except ValidationError as err:
+        raise JaxportError(f"{name}: {problem(err.errors()[0])}") from None
 
 
 def _per_row(scalar):
@@ -77,7 +95,7 @@ def _per_row(scalar):
         try:
             return adapter.validate_python(value)
         except ValidationError as err:
-            raise ValueError(where + _problem(err)) from None
+            raise ValueError(where + problem(err.errors()[0])) from None
 
     def validate(value):
         if isinstance(value, np.ndarray) and value.ndim == 1:
@@ -174,7 +192,9 @@ class GenerationSettings(ProgramSettings, RowSettings):
     def check(self, new_tokens: int, blockwise: bool = False, batch: int | None = None) -> "GenerationSettings":
         """These settings for a canvas of `new_tokens` new tokens (and `batch` rows, which per-row values must
         match); block-wise (`blockwise` or a fast-decoding setting), with `block_length` resolved (default: one
-        block of all new tokens)."""
+        block of all new tokens). `new_tokens` is checked on its own (as `max_new_tokens`) before the rules that
+        relate it to the settings, which `of` has checked one by one."""
+        new_tokens = count("max_new_tokens", new_tokens)
         if batch is not None:
             self.row.rows(batch)
         _check(
@@ -218,7 +238,7 @@ def settings_error(err: ValidationError) -> JaxportError:
     name = ".".join(str(part) for part in error["loc"]) or "settings"
     if error["type"] == "extra_forbidden":
         return JaxportError(f"{name}: unknown generation argument")
-    return JaxportError(f"{name}: {_problem(err)}")
+    return JaxportError(f"{name}: {problem(error)}")
 
 
 FASTDLLM_TOP_K = 50  # transformers' PretrainedConfig default, which reaches Fast-dLLM's generation config

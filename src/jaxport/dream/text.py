@@ -2,6 +2,7 @@
 
 import jax
 
+from jaxport.dream.settings import count
 from jaxport.dream.tokenizer import DreamTokenizer
 from jaxport.errors import JaxportError
 
@@ -45,8 +46,9 @@ def generate(
         raise JaxportError("prompts: expected a string, a list of chat messages, or a non-empty list of those")
     texts = [prompt_text(tokenizer, item, chat, system) for item in items]
     prompt_len = max(len(tokenizer.encode(text)) for text in texts)
-    batch_size = batch_size or len(texts)
-    generation_args.setdefault("steps", max_new_tokens)
+    batch_size = len(texts) if batch_size is None else count("batch_size", batch_size)
+    # checked before it is the default of steps, so that a bad one is named as itself
+    generation_args.setdefault("steps", count("max_new_tokens", max_new_tokens))
     completions = []
     for first in range(0, len(texts), batch_size):
         batch = texts[first : first + batch_size]
