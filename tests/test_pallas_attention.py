@@ -87,8 +87,9 @@ def test_fewer_queries_than_keys_forward():
     [
         {"causal": True, "dropout_rate": 0.1, "dropout_rng": jax.random.key(0)},  # the kernel has no dropout
         {"mask": jnp.ones((2, 128, 128), bool)},  # a mask per query: not key padding
+        {"causal": True, "mask": jnp.ones((2, 128), bool)},  # a causal row may have no key: XLA gives it zeros
     ],
-    ids=["dropout", "mask-per-query"],
+    ids=["dropout", "mask-per-query", "causal-with-padding"],
 )
 def test_what_the_kernel_cannot_do_stays_with_xla(options):
     q = normal(2, 128, 2, 32)

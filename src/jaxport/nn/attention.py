@@ -11,7 +11,7 @@ from jaxport import runtime
 from jaxport.nn.dropout import dropout
 from jaxport.nn.linear import Linear, row_major, row_major_transpose
 from jaxport.nn.rotary import apply_rotary
-from jaxport.nn.splash import splash_attention
+from jaxport.nn.splash import splash_applies, splash_attention
 
 
 def dot_product_attention(
@@ -46,11 +46,13 @@ def dot_product_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     implementation, remat = runtime.current().attention, runtime.current().remat
     if implementation == "splash" and (dropout_rng is None or dropout_rate == 0.0):  # the kernel has no dropout
-        fused = splash_attention(
-            q_BSHD, k_BTKD, v_BTKD, causal=causal, mask=mask, scale=scale, kv_heads_first=kv_heads_first
+        fused = functools.partial(
+            splash_attention, causal=causal, mask=mask, scale=scale, kv_heads_first=kv_heads_first
         )
-        if fused is not None:
-            return fused
+        if splash_applies(q_BSHD, k_BTKD, causal=causal, mask=mask, kv_heads_first=kv_heads_first):
+            if remat == "attention_scores":  # keeps q, k, v alone, not the kernel's layouts of them and its output
+                fused = jax.checkpoint(fused, policy=jax.checkpoint_policies.nothing_saveable)
+            return fused(q_BSHD, k_BTKD, v_BTKD)
     if kv_heads_first and (causal or implementation == "cudnn"):  # these kernels read keys by position
         k_BTKD, v_BTKD, kv_heads_first = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3), False
     if implementation == "cudnn" and mask is None and (dropout_rng is None or dropout_rate == 0.0):

@@ -19,16 +19,24 @@ LANES = 128  # the kernel's sequence blocks are multiples of this
 BLOCKS = (512, 256, 128)  # block sizes tried, largest first, for each padded sequence
 
 
-def splash_attention(q_BSHD, k, v, *, causal: bool, mask, scale: float, kv_heads_first: bool) -> jax.Array | None:
-    """`dot_product_attention` (no dropout) through the splash kernel: `[B, S, H, D]` from queries `[B, S, H, D]`
-    and keys/values `[B, T, K, D]` (`[B, K, T, D]` with `kv_heads_first`). None where the kernel does not apply: a
-    causal band over other than as many keys as queries, a mask other than key padding `[B, T]`, or a program on
-    several devices with no mesh to run it on (`runtime.per_device`); XLA's ops then compute it."""
+def splash_applies(q_BSHD, k, *, causal: bool, mask, kv_heads_first: bool) -> bool:
+    """Whether the kernel computes this attention (`splash_attention`'s arguments, no dropout). Not for a causal
+    band over other than as many keys as queries or with a mask (a row may then have no key, which XLA's ops give
+    zeros), a mask other than key padding `[B, T]`, or a program on several devices with no mesh to run it on
+    (`runtime.runs_per_device`): XLA's ops compute those."""
+    T = k.shape[2 if kv_heads_first else 1]
+    if causal and (q_BSHD.shape[1] != T or mask is not None):
+        return False
+    return (mask is None or mask.ndim == 2) and runtime.runs_per_device()
+
+
+def splash_attention(q_BSHD, k, v, *, causal: bool, mask, scale: float, kv_heads_first: bool) -> jax.Array:
+    """`dot_product_attention` (no dropout) through the splash kernel where it applies (`splash_applies`):
+    `[B, S, H, D]` from queries `[B, S, H, D]` and keys/values `[B, T, K, D]` (`[B, K, T, D]` with
+    `kv_heads_first`), on each device's rows and heads (`runtime.per_device`)."""
     B, S, H, D = q_BSHD.shape
     k_BKTD, v_BKTD = (k, v) if kv_heads_first else (x.transpose(0, 2, 1, 3) for x in (k, v))
     T = k_BKTD.shape[2]
-    if (causal and S != T) or (mask is not None and mask.ndim != 2):
-        return None
     padded_S, padded_T = _padded(S), _padded(T)
     q_BHSD = jnp.pad((q_BSHD * scale).astype(q_BSHD.dtype).transpose(0, 2, 1, 3), _rows(padded_S - S))
     k_BKTD, v_BKTD = (jnp.pad(x, _rows(padded_T - T)) for x in (k_BKTD, v_BKTD))
@@ -44,10 +52,7 @@ def splash_attention(q_BSHD, k, v, *, causal: bool, mask, scale: float, kv_heads
         axes += (("batch", None), ("batch", None))
     interpret = runtime.current().platform != "tpu"
     per_shard = functools.partial(_attention_per_shard, causal=causal, interpret=interpret)
-    out_BHSD = runtime.per_device(per_shard, args, axes)
-    if out_BHSD is None:
-        return None
-    out_BSHD = out_BHSD[:, :, :S].transpose(0, 2, 1, 3)
+    out_BSHD = runtime.per_device(per_shard, args, axes)[:, :, :S].transpose(0, 2, 1, 3)
     if has_key_B is not None and mask is not None:
         out_BSHD = jnp.where(has_key_B[:, None, None, None], out_BSHD, 0).astype(out_BSHD.dtype)
     return out_BSHD

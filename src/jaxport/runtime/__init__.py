@@ -17,6 +17,7 @@ from jaxport.runtime.policy import (
     jit_once,
     jit_training_step,
     per_device,
+    runs_per_device,
     use,
 )
 from jaxport.runtime.settings import RuntimeSettings, configure, start, take_settings
@@ -35,6 +36,7 @@ __all__ = [
     "jit_once",
     "jit_training_step",
     "per_device",
+    "runs_per_device",
     "start",
     "take_settings",
     "use",

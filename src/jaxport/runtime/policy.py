@@ -232,20 +232,32 @@ class _TrainingStep:
         return getattr(self._jitted, name)
 
 
-def per_device(function, args: tuple, logical_axes: tuple):
-    """`function(*args)`, run on each device's shards where the program (`current()`) runs on a mesh of several
-    devices: a Mosaic kernel, which XLA cannot partition, then sees one device's rows and heads. Each argument is
-    split by the logical names of its dimensions (`logical_axes`, one tuple per argument: `logical_spec`), a mesh axis
-    left whole in every argument where it does not divide one of them; the result is split as the first argument.
-    The mesh is the runtime's, else the one the program sets (`jax.sharding.use_abstract_mesh`). None where the
-    program runs on several devices without a known mesh: the caller then computes another way."""
-    program = current()
-    mesh = program.mesh
+def program_mesh():
+    """The mesh the program being traced (`current()`) runs on: the runtime's, else the one the program sets
+    (`jax.sharding.use_abstract_mesh`); None where neither is known."""
+    mesh = current().mesh
     if mesh is None:
         context = jax.sharding.get_abstract_mesh()
         mesh = None if context.empty else context
+    return mesh
+
+
+def runs_per_device() -> bool:
+    """Whether `per_device` can run a function in the program being traced: one device, or a known mesh."""
+    return current().devices == 1 or program_mesh() is not None
+
+
+def per_device(function, args: tuple, logical_axes: tuple):
+    """`function(*args)`, run on each device's shards where the program (`current()`) runs on a mesh of several
+    devices (`program_mesh`; `runs_per_device` says whether it can): a Mosaic kernel, which XLA cannot partition,
+    then sees one device's rows and heads. Each argument is split by the logical names of its dimensions
+    (`logical_axes`, one tuple per argument: `logical_spec`), a mesh axis left whole in every argument where it does
+    not divide one of them; the result is split as the first argument."""
+    if not runs_per_device():
+        raise ValueError("per_device: the program runs on several devices and its mesh is not known")
+    mesh = program_mesh()
     if mesh is None or mesh.size == 1:
-        return function(*args) if program.devices == 1 or mesh is not None else None
+        return function(*args)
     wanted = [logical_spec(mesh, *axes) for axes in logical_axes]
     uneven = {
         axis
