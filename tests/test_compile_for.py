@@ -208,11 +208,31 @@ def test_attention_on_a_tpu_recomputes_its_scores_in_the_backward_pass():
         gradient = runtime.jit(jax.grad(loss, argnums=(0, 1, 2)), target)
         return gradient.lower(qkv, qkv, qkv).compile().memory_analysis().temp_size_in_bytes
 
-    tpu = runtime.for_devices(devices)
-    assert (tpu.attention, tpu.remat) == ("xla", "attention_scores")
+    tpu = dataclasses.replace(runtime.for_devices(devices), attention="xla")  # XLA's ops: what remat applies to
+    assert tpu.remat == "attention_scores"
     kept, recomputed = temporaries(dataclasses.replace(tpu, remat="none")), temporaries(tpu)
     scores = B * H * S * S * 4  # float32, one layer's
     assert recomputed <= kept - 2 * scores, (recomputed, kept, scores)
+
+
+@needs_libtpu
+def test_tpus_that_run_mosaic_kernels_attend_through_the_splash_kernel():
+    """A v5e's runtime chooses Pallas's splash kernel, a v2's and a v3's XLA's ops (and the report says why); GPT's
+    training step for a v5e calls the kernel (a Mosaic custom call) on each device's rows."""
+    from jaxport import runtime
+    from jaxport.gpt.trainer import compile_target, training_mesh
+
+    chosen = {
+        name: runtime.for_devices(compile_for.topology_devices(topologies.parse_slice(name))).attention
+        for name in ("v2-8", "v3-8", "v5e-4")
+    }
+    assert chosen == {"v2-8": "xla", "v3-8": "xla", "v5e-4": "splash"}
+    run = dict(n_layer=1, n_head=2, n_embd=128, block_size=128, batch_size=1, gradient_accumulation_steps=4)
+    run.update(dataset="none", dropout=0.0, dtype="bfloat16")
+    mesh = training_mesh(run, compile_for.topology_devices(topologies.parse_slice("v5e-4")))
+    step, args = compile_target(run, mesh)
+    assert "tpu_custom_call" in step.lower(*args).as_text()
+    assert "a v2 runs no Pallas Mosaic kernels" in compile_for.attention_line("xla", "v2")
 
 
 # -- each family's command

@@ -26,7 +26,7 @@ def test_settings_parse_from_the_command_line_later_ones_winning():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("attention=flash", "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn"),
+        ("attention=flash", "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn, splash"),
         ("remat=full", "runtime: remat=full is not one of auto, none, attention_scores"),
         ("atention=xla", "runtime: unknown setting 'atention'; the settings are attention, remat, row_major_operands"),
         ("attention", "runtime: 'attention': expected NAME=VALUE pairs separated by commas"),
@@ -130,7 +130,7 @@ def test_every_family_s_command_takes_runtime_and_names_a_bad_value(family, caps
     from jaxport import cli
 
     assert cli.main([family, "train", "--runtime", "attention=flash"]) == 1  # refused before any host setting
-    error = "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn"
+    error = "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn, splash"
     assert capsys.readouterr().err.strip() == f"jaxport {family}: error: {error}"
 
 

@@ -11,6 +11,7 @@ from jaxport import runtime
 from jaxport.nn.dropout import dropout
 from jaxport.nn.linear import Linear, row_major, row_major_transpose
 from jaxport.nn.rotary import apply_rotary
+from jaxport.nn.splash import splash_applies, splash_attention
 
 
 def dot_product_attention(
@@ -36,13 +37,22 @@ def dot_product_attention(
     With `dropout_rng`, the attention probabilities are dropped at `dropout_rate` (SDPA's
     `dropout_p`, i.e. training); without it there is no dropout.
 
-    The kernel is the runtime's choice (`runtime.current().attention`) where it applies: cuDNN's fused kernel,
-    causal self-attention in blocks of queries, or XLA's ops. With `runtime.current().remat` "attention_scores",
-    the backward pass of the last two computes their scores again instead of keeping them.
+    The kernel is the runtime's choice (`runtime.current().attention`) where it applies: Pallas's splash kernel
+    (`nn.splash`), cuDNN's fused kernel, causal self-attention in blocks of queries, or XLA's ops. With
+    `runtime.current().remat` "attention_scores", the backward pass of the last two computes their scores again
+    instead of keeping them.
     """
     B, S, H, D = q_BSHD.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     implementation, remat = runtime.current().attention, runtime.current().remat
+    if implementation == "splash" and (dropout_rng is None or dropout_rate == 0.0):  # the kernel has no dropout
+        fused = functools.partial(
+            splash_attention, causal=causal, mask=mask, scale=scale, kv_heads_first=kv_heads_first
+        )
+        if splash_applies(q_BSHD, k_BTKD, causal=causal, mask=mask, kv_heads_first=kv_heads_first):
+            if remat == "attention_scores":  # keeps q, k, v alone, not the kernel's layouts of them and its output
+                fused = jax.checkpoint(fused, policy=jax.checkpoint_policies.nothing_saveable)
+            return fused(q_BSHD, k_BTKD, v_BTKD)
     if kv_heads_first and (causal or implementation == "cudnn"):  # these kernels read keys by position
         k_BTKD, v_BTKD, kv_heads_first = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3), False
     if implementation == "cudnn" and mask is None and (dropout_rng is None or dropout_rate == 0.0):

@@ -16,6 +16,8 @@ from jaxport.runtime.policy import (
     jit,
     jit_once,
     jit_training_step,
+    per_device,
+    runs_per_device,
     use,
 )
 from jaxport.runtime.settings import RuntimeSettings, configure, start, take_settings
@@ -33,6 +35,8 @@ __all__ = [
     "jit",
     "jit_once",
     "jit_training_step",
+    "per_device",
+    "runs_per_device",
     "start",
     "take_settings",
     "use",

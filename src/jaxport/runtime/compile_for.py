@@ -32,6 +32,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxport.errors import JaxportError
+from jaxport.runtime import policy
+from jaxport.runtime.compile_seconds import with_compile_seconds
 from jaxport.runtime.topologies import GiB, Slice, parse_slice
 
 INSTALL = "pip install 'jaxport[tpu]'"
@@ -72,6 +74,8 @@ class Report:
     refit: str | None = None  # what fits instead, when this does not
     refused: str | None = None  # XLA:TPU's words, when it refused to compile the program for want of HBM
     tried: list[str] = dataclasses.field(default_factory=list)  # the alternatives compiled, none fitting
+    attention: str = ""  # the runtime's attention choice for the program's devices
+    compile_seconds: float = 0.0  # JAX's tracing, lowering and compiling of the program (`compile_seconds`)
 
     @property
     def hbm(self) -> float:
@@ -396,10 +400,11 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def analyse(tpu: Slice, program: Program) -> Report:
     """Compile `program` for the slice and read what it needs. A program past the HBM is reported, not raised:
     XLA's TPU compiler refuses it, saying how much it needed."""
-    report = Report(tpu, program, libtpu_version() or "?")
-    lowered = program.jitted.lower(*program.args)
+    report = Report(tpu, program, libtpu_version() or "?", attention=policy.for_devices(program.mesh).attention)
+    lowered, report.compile_seconds = with_compile_seconds(lambda: program.jitted.lower(*program.args))
     try:
-        compiled = lowered.compile()
+        compiled, seconds = with_compile_seconds(lowered.compile)
+        report.compile_seconds += seconds
     except Exception as err:
         found = next((m for pattern in _OOM if (m := pattern.search(str(err)))), None)
         if found is None:
@@ -446,6 +451,18 @@ def seconds(t: float) -> str:
     return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
 
 
+def attention_line(attention: str, chip: str) -> str:
+    """What the report says of the program's attention (`Runtime.attention`) on `chip`."""
+    if attention == "splash":
+        return (
+            "splash: Pallas's splash-attention kernel on each device's rows (a Mosaic kernel, whose work XLA's "
+            "FLOPs and bytes leave out); XLA's ops where it does not apply (dropout, masks other than key padding)"
+        )
+    if chip not in policy.MOSAIC_CHIPS:
+        return f"{attention}: XLA's ops (a {chip} runs no Pallas Mosaic kernels)"
+    return f"{attention} (--runtime attention={attention})"
+
+
 def format_report(report: Report) -> str:
     tpu, chip, program = report.slice, report.slice.chip, report.program
     mesh = " ".join(f"{axis}={n}" for axis, n in program.mesh.shape.items())
@@ -455,6 +472,8 @@ def format_report(report: Report) -> str:
         f"({program.mesh_flag})",
     ]
     lines += [f"  note         {note}" for note in program.notes]
+    if report.attention:
+        lines.append(f"  attention    {attention_line(report.attention, chip.name)}")
     if report.fits:
         verdict = f"fits ({report.needed / report.hbm:.0%})"
     else:
@@ -478,6 +497,8 @@ def format_report(report: Report) -> str:
         f"               needs {'at least ' if report.refused else ''}{size(report.needed)} per device of a "
         f"{chip.name} device's {size(report.hbm)} HBM: {verdict}"
     )
+    if report.memory:
+        lines.append(f"  compiling    {report.compile_seconds:.1f} s on this CPU (tracing, lowering, XLA:TPU)")
     if report.flops:
         known = [n for n in report.hlo.loops if n is not None and n != 1]
         unknown = sum(n is None for n in report.hlo.loops)

@@ -5,12 +5,15 @@ where the program is jitted (`jit`): its XLA options go to the compiler, the res
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
-from jaxport.runtime import host_memory, settings
+from jaxport.distributed.mesh import logical_spec
+from jaxport.runtime import host_memory, settings, topologies
 
 # Rows per device from which a float32 product runs faster through XLA:CPU's own dot emitter than as a YNNPACK fusion
 # and XLA's windowed long reductions beat plain ones (docs/performance.md, "XLA:CPU compiler options"); also the
@@ -26,9 +29,10 @@ ROW_CHUNKS = 2  # chunks of independent rows, which XLA:CPU runs side by side on
 class Runtime:
     """The decisions for the programs of one set of devices (hashable: part of JAX's cache key while tracing).
 
-    - `attention`: "cudnn" tries cuDNN's fused kernel for 16-bit attention without mask or dropout (GPUs);
-      "causal_blocks" computes causal self-attention in blocks of queries (CPUs: "Attention on the CPU");
-      "xla" is one masked product.
+    - `attention`: "splash" runs Pallas's splash-attention kernel where it applies (TPUs that run Mosaic kernels,
+      `MOSAIC_CHIPS`; elsewhere Pallas's interpreter runs it: tests); "cudnn" tries cuDNN's fused kernel for 16-bit
+      attention without mask or dropout (GPUs); "causal_blocks" computes causal self-attention in blocks of queries
+      (CPUs: "Attention on the CPU"); "xla" is one masked product.
     - `remat`: "attention_scores" has the backward pass compute each layer's `[B, H, S, T]` scores again instead of
       keeping them (TPUs: docs/tpu.md); "none" keeps them.
     - `row_major_operands`: reduced-precision operands that are transposed before a product are written out
@@ -38,6 +42,8 @@ class Runtime:
       generation, which XLA:CPU's products with a few rows run faster than `[V, D]` (CPUs: "The vocabulary
       projection in block-wise decoding").
     - `xla_options`: `jax.jit`'s compiler options as sorted items (`for_program`: "XLA:CPU compiler options").
+    - `mesh`: the mesh of several devices the program runs on, where the caller gave one (`for_devices`): kernels
+      that XLA cannot partition run on each device's shards of it (`per_device`).
     """
 
     platform: str = "cpu"
@@ -48,6 +54,7 @@ class Runtime:
     split_rows: bool = True
     head_in_out: bool = True
     xla_options: tuple[tuple[str, str], ...] = ()
+    mesh: Mesh | None = None
 
     @property
     def compiler_options(self) -> dict | None:
@@ -84,16 +91,22 @@ def _xla_options(platform: str, dtype, rows: int, reduces_leading_axis: bool) ->
     return tuple(sorted(options.items()))
 
 
+# The TPUs whose compiler runs Pallas's Mosaic kernels; v2 and v3 keep XLA's attention.
+MOSAIC_CHIPS = ("v4", "v5e", "v5p", "v6e")
+
+
 def for_devices(devices=None) -> Runtime:
     """The runtime of programs on `devices` (a Mesh or any collection of devices; default: the default device's
     platform, all its devices), without XLA options (`Runtime.for_program` adds them): the policy's choices for
     their platform where the process's settings (`settings.chosen`) say auto, the settings' values elsewhere."""
+    mesh = devices if isinstance(devices, Mesh) and devices.size > 1 else None
     devices = _device_list(devices)
     platform = devices[0].platform
     automatic = Runtime(
         platform=platform,
         devices=len(devices),
-        attention={"cpu": "causal_blocks", "gpu": "cudnn"}.get(platform, "xla"),
+        attention=_automatic_attention(devices[0]),
+        mesh=mesh,
         remat="attention_scores" if platform == "tpu" else "none",
         row_major_operands=platform == "cpu",
         split_rows=platform == "cpu",
@@ -102,6 +115,14 @@ def for_devices(devices=None) -> Runtime:
     chosen = _with_settings(automatic, settings.chosen())
     settings.announce_once(lambda: effective_settings_of(chosen))
     return chosen
+
+
+def _automatic_attention(device) -> str:
+    """causal_blocks on CPUs, cudnn on GPUs, splash on the TPUs of `MOSAIC_CHIPS`, xla elsewhere."""
+    if device.platform == "tpu":
+        chip = topologies.chip_of(device.device_kind)
+        return "splash" if chip is not None and chip.name in MOSAIC_CHIPS else "xla"
+    return {"cpu": "causal_blocks", "gpu": "cudnn"}.get(device.platform, "xla")
 
 
 SWITCHES = ("row_major_operands", "head_in_out", "split_rows")
@@ -133,13 +154,15 @@ def for_tokens(x_BN, dtype) -> Runtime:
 
 
 def devices_of(tree):
-    """The devices of the first array in `tree` committed to devices (None where none is: JAX then computes on the
-    default devices)."""
+    """The devices of the first array in `tree` committed to devices, as the Mesh it is placed on where it has one
+    (None where none is: JAX then computes on the default devices)."""
     for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and leaf.committed:
-            return leaf.sharding.device_set
-        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:  # a program compiled ahead of time
-            return leaf.sharding.device_set
+        placed = isinstance(leaf, jax.Array) and leaf.committed
+        if placed or (isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None):  # or compiled ahead
+            sharding = leaf.sharding
+            if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+                return sharding.mesh
+            return sharding.device_set
     return None
 
 
@@ -207,3 +230,51 @@ class _TrainingStep:
 
     def __getattr__(self, name):  # lower, trace, eval_shape, ... of the jitted step
         return getattr(self._jitted, name)
+
+
+def program_mesh():
+    """The mesh the program being traced (`current()`) runs on: the runtime's, else the one the program sets
+    (`jax.sharding.use_abstract_mesh`); None where neither is known."""
+    mesh = current().mesh
+    if mesh is None:
+        context = jax.sharding.get_abstract_mesh()
+        mesh = None if context.empty else context
+    return mesh
+
+
+def runs_per_device() -> bool:
+    """Whether `per_device` can run a function in the program being traced: one device, or a known mesh."""
+    return current().devices == 1 or program_mesh() is not None
+
+
+def per_device(function, args: tuple, logical_axes: tuple):
+    """`function(*args)`, run on each device's shards where the program (`current()`) runs on a mesh of several
+    devices (`program_mesh`; `runs_per_device` says whether it can): a Mosaic kernel, which XLA cannot partition,
+    then sees one device's rows and heads. Each argument is split by the logical names of its dimensions
+    (`logical_axes`, one tuple per argument: `logical_spec`), a mesh axis left whole in every argument where it does
+    not divide one of them; the result is split as the first argument."""
+    if not runs_per_device():
+        raise ValueError("per_device: the program runs on several devices and its mesh is not known")
+    mesh = program_mesh()
+    if mesh is None or mesh.size == 1:
+        return function(*args)
+    wanted = [logical_spec(mesh, *axes) for axes in logical_axes]
+    uneven = {
+        axis
+        for spec, x in zip(wanted, args)
+        for dim, axes in zip(x.shape, spec)
+        for axis in ((axes,) if isinstance(axes, str) else axes or ())
+        if dim % math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    }
+    specs = tuple(_without_axes(spec, uneven) for spec in wanted)
+    sharded = jax.shard_map(function, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+    return sharded(*args)
+
+
+def _without_axes(spec, axes: set):
+    """`spec` with the mesh axes `axes` taken out (those dimensions left whole over them)."""
+    kept = []
+    for entry in spec:
+        names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+        kept.append(None if not names else names[0] if len(names) == 1 else names)
+    return jax.sharding.PartitionSpec(*kept)

@@ -2,7 +2,9 @@
 the command line (`--runtime attention=xla,remat=none`, every family) or the family's config overrides it.
 
 - `attention`: xla (one masked product), causal_blocks (causal self-attention in blocks of queries), cudnn (cuDNN's
-  fused kernel where it applies); auto: causal_blocks on CPUs, cudnn on GPUs, xla elsewhere.
+  fused kernel where it applies), splash (Pallas's splash-attention kernel where it applies: TPUs v4 and later;
+  elsewhere Pallas's interpreter runs it, for tests); auto: causal_blocks on CPUs, cudnn on GPUs, splash on TPUs
+  v4, v5e, v5p and v6e, xla elsewhere.
 - `remat`: what the backward pass computes again instead of keeping: none, attention_scores (each layer's
   `[B, H, S, T]` scores); auto: attention_scores on TPUs, none elsewhere.
 - `row_major_operands`, `head_in_out`, `split_rows`: on or off (`policy.Runtime` says what each does); auto: on on
@@ -25,7 +27,7 @@ from jaxport.runtime import host_memory
 
 SWITCH = ("auto", "on", "off")
 CHOICES = {
-    "attention": ("auto", "xla", "causal_blocks", "cudnn"),
+    "attention": ("auto", "xla", "causal_blocks", "cudnn", "splash"),
     "remat": ("auto", "none", "attention_scores"),
     "row_major_operands": SWITCH,
     "head_in_out": SWITCH,
