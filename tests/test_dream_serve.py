@@ -510,7 +510,9 @@ def _in_process_server(**settings):
     programs compiled, and `submit(prompt, max_tokens, told=None)`, which queues a request and returns an event set
     when it ends; `told(kind, payload)` hears every post of the request, on the scheduler's thread. The scheduler
     itself, with no network between a reply and the next request."""
-    from jaxport.dream.serve import COMPLETION, CompletionRequest, DreamServer, ServeSettings
+    from jaxport.dream.serving.api import DreamServer
+    from jaxport.dream.serving.protocol import COMPLETION, CompletionRequest
+    from jaxport.dream.serving.settings import ServeSettings
 
     model, tokenizer = dream.load(MODEL, dtype="float32")
     serve_settings = ServeSettings(
@@ -518,7 +520,7 @@ def _in_process_server(**settings):
         | settings
     )
     server = DreamServer(model, tokenizer, serve_settings)
-    server.scheduler.warmup(serve_settings.warmup_keys())
+    server.warmup()
 
     def submit(prompt: str, max_tokens: int, told=None) -> threading.Event:
         ended = threading.Event()

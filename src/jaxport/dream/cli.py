@@ -219,8 +219,8 @@ def _program(text: str) -> tuple:
 
 def serve(args) -> int:
     from jaxport import dream
-    from jaxport.dream.serve import ServeSettings
-    from jaxport.dream.serve import serve as run_server
+    from jaxport.dream.serving.api import serve as run_server
+    from jaxport.dream.serving.settings import ServeSettings
 
     settings = ServeSettings(
         model_name=args.served_model_name
@@ -375,6 +375,7 @@ def _compile_serve(args, settings) -> int:
     setting at the largest batch, the most memory) compiled for a TPU slice and reported."""
     from jaxport.dream.params import placed_abstract_model
     from jaxport.dream.scheduler import batch_buckets
+    from jaxport.dream.serving.programs import ServedPrograms
     from jaxport.runtime.compile_for import compile_for
 
     config, tokenizer = _serve_config(args)
@@ -384,7 +385,7 @@ def _compile_serve(args, settings) -> int:
         mesh, flag = _compile_mesh(spec, devices)
         model = placed_abstract_model(config, args.dtype, mesh)
         programs = []
-        for key in settings.warmup_keys():
+        for key in ServedPrograms(settings).start_up_keys():
             generation = dict(key.settings, max_new_tokens=key.new_tokens)
             title = (
                 f"jaxport dream serve: {_decoding_name(generation)} of {rows} row(s), prompt bucket {key.prompt_len} "
