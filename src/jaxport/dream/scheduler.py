@@ -47,6 +47,7 @@ from jaxport.dream.engine import Lane, RunningBatch
 from jaxport.dream.fast import generate_blocks
 from jaxport.dream.program import decoding_program
 from jaxport.dream.sampling import Branches
+from jaxport.dream.serving.output import RowText
 from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
 from jaxport.dream.tokenizer import DreamTokenizer
 from jaxport.errors import JaxportError
@@ -101,60 +102,9 @@ class BatchKey:
         return ", ".join([f"prompt {self.prompt_len} + {self.new_tokens} new tokens"] + [f"{k} {v}" for k, v in given])
 
 
-def generated_ids(span: np.ndarray, stop_ids: set[int], mask_token_id: int) -> tuple[list[int], bool, bool]:
-    """Token ids of a row's generated span up to its first end token or still-masked position:
-    `(ids, ended at an end token, reached a mask)`."""
-    ids = []
-    for token in span.tolist():
-        if token in stop_ids or token == mask_token_id:
-            return ids, token in stop_ids, token == mask_token_id
-        ids.append(token)
-    return ids, False, False
-
-
-class RowText:
-    """The text of one generated row as more of its canvas becomes final: cut at end-of-text, after
-    `max_tokens` tokens and before the first `stop` string. `update` returns the text that is new."""
-
-    def __init__(self, tokenizer: DreamTokenizer, max_tokens: int, stop: list[str]):
-        self.tokenizer, self.max_tokens, self.stop = tokenizer, max_tokens, stop
-        self.text, self.tokens, self.finish_reason = "", 0, None
-
-    def update(self, span: np.ndarray, final: bool) -> str:
-        if self.finish_reason is not None:
-            return ""
-        ids, ended, masked = generated_ids(
-            span[: self.max_tokens], self.tokenizer.stop_ids, self.tokenizer.mask_token_id
-        )
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, ended = text[:cut], True
-            # the fewest tokens whose text covers the kept text
-            ids = ids[
-                : bisect.bisect_left(
-                    range(len(ids) + 1),
-                    cut,
-                    key=lambda k: len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)),
-                )
-            ]
-        if ended:
-            self.finish_reason = "stop"
-        elif final or not masked:
-            self.finish_reason = "length"
-        else:
-            # Hold back a character still missing bytes and any tail that may begin a stop string.
-            text = text.rstrip("\ufffd")
-            held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - held]
-        delta = text[len(self.text) :]
-        self.text, self.tokens = text, len(ids)
-        return delta
-
-
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One request: its rows (prompt texts), their sampling settings and key, and how to tell its caller about
+    """One request: its rows (prompt token ids), their sampling settings and key, and how to tell its caller about
     progress.
 
     `post(kind, payload)` is called from the worker thread with ("delta", (row, text)) as text
@@ -162,7 +112,7 @@ class Job:
 
     id: str
     key: BatchKey
-    prompts: list[str]
+    prompt_ids: list[list[int]]
     texts: list[RowText]
     post: Callable[[str, object], None]
     row: RowSettings = RowSettings()
@@ -180,7 +130,7 @@ class Job:
     def keys(self) -> jax.Array:
         """Its rows' random keys: row i draws from `fold_in(key(seed), i)`, as `diffusion_generate` does."""
         base = rng_key(self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little"))
-        return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(len(self.prompts)))
+        return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(len(self.prompt_ids)))
 
 
 class QueueFull(Exception):
@@ -316,8 +266,8 @@ class Scheduler:
     # -- called from the server's event loop --------------------------------------------------
     def submit(self, job: Job):
         with self._cond:
-            waiting = sum(len(j.prompts) for j in self._waiting)
-            if waiting + len(job.prompts) > self.max_queue:
+            waiting = sum(len(j.prompt_ids) for j in self._waiting)
+            if waiting + len(job.prompt_ids) > self.max_queue:
                 self.stats["rejected"] += 1
                 retry_after = max(1, round((waiting // self.max_batch + 1) * self._batch_seconds))
                 raise QueueFull(
@@ -342,7 +292,7 @@ class Scheduler:
 
     def queued_rows(self) -> int:
         with self._cond:
-            return sum(len(j.prompts) for j in self._waiting)
+            return sum(len(j.prompt_ids) for j in self._waiting)
 
     def metrics(self) -> dict:
         return {
@@ -385,12 +335,13 @@ class Scheduler:
         """The lanes continuous batching runs `keys` in (none under static batching)."""
         return {self._lane(key) for key in keys} - {None}
 
-    def warmup(self, keys: list[BatchKey], prompt: str = "Hello"):
-        """Compile every batch size for each key, before serving: the start-up set of programs."""
+    def warmup(self, keys: list[BatchKey], prompt_ids: list[int]):
+        """Compile every batch size for each key, before serving: the start-up set of programs (run on the prompt
+        `prompt_ids`)."""
         self.start_up |= {key.program for key in keys} | self.lanes(keys)
         for lane in self.lanes(keys):
             self.programs.pinning = True
-            ids, valid = self.tokenizer([prompt], pad_to=lane.prompt_len)
+            ids, valid = self.tokenizer.pad([prompt_ids], pad_to=lane.prompt_len)
             for size in self.batch_sizes:  # a running batch runs at the smallest size that holds its rows
                 self._describe = f"at start-up: {self._lane_name(lane)}, {size} row(s) running"
                 batch = self._running_batch(lane)
@@ -401,7 +352,7 @@ class Scheduler:
             if self.lanes([key]):
                 continue  # served by its lane
             for size in self.batch_sizes:
-                rows = [(prompt, RowSettings(), jax.random.key(0))] * size
+                rows = [(prompt_ids, RowSettings(), jax.random.key(0))] * size
                 for _ in self._generate(key, rows, when="at start-up"):
                     pass  # run every block: compiling each program is the point, not its text
 
@@ -436,7 +387,7 @@ class Scheduler:
     def _rows_like_oldest(self) -> int:
         """Rows of the waiting jobs that `_take` would batch with the oldest."""
         key = self._waiting[0].key
-        return sum(len(job.prompts) for job in self._waiting if job.key == key)
+        return sum(len(job.prompt_ids) for job in self._waiting if job.key == key)
 
     def _lane_name(self, lane: Lane) -> str:
         return f"running batch {self.max_batch}, {BatchKey(lane.prompt_len, lane.new_tokens, lane.settings).describe()}"
@@ -502,7 +453,7 @@ class Scheduler:
     def _admit(self, lane: Lane, batch: RunningBatch, slots: dict) -> int:
         """Join the lane's waiting jobs that fit, oldest first (under the lock); returns the rows running."""
         for job in list(self._waiting):
-            if job.lane != lane or len(job.prompts) > batch.free:
+            if job.lane != lane or len(job.prompt_ids) > batch.free:
                 break
             self._waiting.remove(job)
             self._join(batch, slots, job)
@@ -510,15 +461,15 @@ class Scheduler:
         return batch.running
 
     def _join(self, batch: RunningBatch, slots: dict, job: Job):
-        job.started, job.rows_left = time.perf_counter(), len(job.prompts)
-        ids, valid = self.tokenizer(job.prompts, pad_to=job.lane.prompt_len)
+        job.started, job.rows_left = time.perf_counter(), len(job.prompt_ids)
+        ids, valid = self.tokenizer.pad(job.prompt_ids, pad_to=job.lane.prompt_len)
         for i, (text, key) in enumerate(zip(job.texts, job.keys(), strict=True)):
             b = batch.join(job, ids[i], valid[i], job.key.new_tokens, job.row, key)
             slots[b] = (job, i, text)
 
     def _end(self, job: Job):
         """A job whose rows all left a running batch."""
-        self.stats.update(requests=1, rows=len(job.prompts), generated_tokens=sum(t.tokens for t in job.texts))
+        self.stats.update(requests=1, rows=len(job.prompt_ids), generated_tokens=sum(t.tokens for t in job.texts))
         self.finished(job)
         if not job.cancelled:
             job.post("done", None)
@@ -527,10 +478,10 @@ class Scheduler:
         """The oldest job and the later ones with its key, as many as fit in `max_batch` rows."""
         key, rows, jobs = self._waiting[0].key, 0, []
         for job in list(self._waiting):
-            if job.key == key and rows + len(job.prompts) <= self.max_batch:
+            if job.key == key and rows + len(job.prompt_ids) <= self.max_batch:
                 self._waiting.remove(job)
                 jobs.append(job)
-                rows += len(job.prompts)
+                rows += len(job.prompt_ids)
         self.running_rows, self.batch_size = rows, bucket(rows, self.batch_sizes)
         return jobs
 
@@ -539,7 +490,7 @@ class Scheduler:
         for job in jobs:
             job.started, job.batch_requests = start, len(jobs)
         rows = [(job, index, text) for job in jobs for index, text in enumerate(job.texts)]
-        settings = [(prompt, job.row, key) for job in jobs for prompt, key in zip(job.prompts, job.keys(), strict=True)]
+        settings = [(ids, job.row, key) for job in jobs for ids, key in zip(job.prompt_ids, job.keys(), strict=True)]
         try:
             for canvas, final, steps in self._generate(jobs[0].key, settings):
                 now = time.perf_counter()
@@ -577,13 +528,13 @@ class Scheduler:
             if not job.cancelled:
                 job.post("done", None)
 
-    def _generate(self, key: BatchKey, rows: list[tuple[str, RowSettings, jax.Array]], when: str = "on first use"):
-        """Run one batch of `(prompt, sampling settings, key)` rows (padded to a batch bucket with copies of the
+    def _generate(self, key: BatchKey, rows: list[tuple[list[int], RowSettings, jax.Array]], when="on first use"):
+        """Run one batch of `(prompt ids, sampling settings, key)` rows (padded to a batch bucket with copies of the
         first row); yields as `generate_canvases` does."""
         size = bucket(len(rows), self.batch_sizes)
         rows = rows + rows[:1] * (size - len(rows))
         prompts, settings, keys = zip(*rows, strict=True)
-        input_ids, attention_mask = self.tokenizer(list(prompts), pad_to=key.prompt_len)
+        input_ids, attention_mask = self.tokenizer.pad(list(prompts), pad_to=key.prompt_len)
         per_row = {name: [getattr(r, name) for r in settings] for name in RowSettings.model_fields}
         self.programs.pinning = key.program in self.start_up
         self._describe = f"{when}: batch {size}, {key.describe()}"

@@ -25,9 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxport.dream.scheduler import BatchKey, Job, QueueFull, RowText, Scheduler, bucket, log
+from jaxport.dream.scheduler import BatchKey, Job, QueueFull, Scheduler, bucket, log
 from jaxport.dream.serving.metrics import CONTENT_TYPE, ServerMetrics
 from jaxport.dream.serving.middleware import CountResponses, LimitBody, error_response
+from jaxport.dream.serving.output import RowText
 from jaxport.dream.serving.programs import NotServed, ServedPrograms
 from jaxport.dream.serving.protocol import (
     CHAT,
@@ -77,7 +78,7 @@ class DreamServer:
 
     def warmup(self):
         """Compile the start-up set now (else each program compiles on first use)."""
-        self.scheduler.warmup(self.programs.start_up_keys())
+        self.scheduler.warmup(self.programs.start_up_keys(), self.tokenizer.encode("Hello"))
 
     def job(self, body: GenerationRequest, prompts: list[str], prompt_field: str, fmt: Format, post) -> Job:
         """The engine's job for a request, or an APIError naming what is wrong with it."""
@@ -125,7 +126,7 @@ class DreamServer:
             raise generation_error(err) from None
         job_id = f"{fmt.id_prefix}-{secrets.token_hex(12)}"
         key = self._key(body, encoded, prompt_field, new_tokens, checked, job_id)
-        rows = [p for p in prompts for _ in range(body.n)]
+        rows = [ids for ids in encoded for _ in range(body.n)]
         return Job(
             job_id,
             key,
