@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxport.dream.scheduler import BatchKey, Job, QueueFull, Scheduler, bucket, log
+from jaxport.dream.serving.engine import BatchKey, Engine, Job, QueueFull, bucket, log
 from jaxport.dream.serving.metrics import CONTENT_TYPE, ServerMetrics
 from jaxport.dream.serving.middleware import CountResponses, LimitBody, error_response
 from jaxport.dream.serving.output import RowText
@@ -59,7 +59,7 @@ class DreamServer:
     def __init__(self, model, tokenizer, settings: ServeSettings):
         self.tokenizer, self.settings = tokenizer, settings
         self.programs = ServedPrograms(settings)
-        self.scheduler = Scheduler(
+        self.engine = Engine(
             model,
             tokenizer,
             max_batch=settings.max_batch,
@@ -70,7 +70,7 @@ class DreamServer:
             max_context=settings.max_context,
             delay_factor=settings.schedule_delay_factor,
         )
-        self.metrics = ServerMetrics(self.scheduler)
+        self.metrics = ServerMetrics(self.engine)
         self.created = int(time.time())
 
     def model_card(self) -> ModelCard:
@@ -78,7 +78,7 @@ class DreamServer:
 
     def warmup(self):
         """Compile the start-up set now (else each program compiles on first use)."""
-        self.scheduler.warmup(self.programs.start_up_keys(), self.tokenizer.encode("Hello"))
+        self.engine.warmup(self.programs.start_up_keys(), self.tokenizer.encode("Hello"))
 
     def job(self, body: GenerationRequest, prompts: list[str], prompt_field: str, fmt: Format, post) -> Job:
         """The engine's job for a request, or an APIError naming what is wrong with it."""
@@ -183,7 +183,7 @@ class DreamServer:
 
         job = self.job(body, prompts, prompt_field, fmt, post)
         try:
-            self.scheduler.submit(job)
+            self.engine.submit(job)
         except QueueFull as full:
             raise APIError(
                 429, str(full), None, "rate_limit_exceeded", "server_error", {"Retry-After": str(full.retry_after)}
@@ -264,7 +264,7 @@ class DreamServer:
         )
 
     def _gone(self, job: Job):
-        self.scheduler.cancel(job)
+        self.engine.cancel(job)
         log(f"{job.id} client disconnected after {time.perf_counter() - job.submitted:.2f} s; its rows are dropped")
 
     def _log(self, job: Job, status: int):
@@ -297,15 +297,15 @@ def _error_handlers(app: FastAPI):
 
 
 def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
-    """The FastAPI app; its engine (`app.state.server.scheduler`) runs while the app's lifespan does."""
+    """The FastAPI app; its engine (`app.state.server.engine`) runs while the app's lifespan does."""
     server = DreamServer(model, tokenizer, settings)
     keys = server.programs.start_up_keys()
-    server.scheduler.start_up |= {key.program for key in keys} | server.scheduler.lanes(keys)  # now or on first use
+    server.engine.start_up |= {key.program for key in keys} | server.engine.lanes(keys)  # now or on first use
 
     async def lifespan(app):
-        server.scheduler.start()
+        server.engine.start()
         yield
-        server.scheduler.stop()
+        server.engine.stop()
 
     app = FastAPI(title="jaxport Dream", lifespan=lifespan)
     app.state.server = server
@@ -323,7 +323,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
 
     @app.get("/metrics.json")
     async def metrics_json():
-        return {"model": settings.model_name, **server.scheduler.metrics()}
+        return {"model": settings.model_name, **server.engine.metrics()}
 
     @app.get("/v1/models")
     async def models():

@@ -1,5 +1,6 @@
-"""Batches concurrent Dream generation requests: one worker thread owns the model and runs, in turn,
-the oldest waiting request together with every later one whose program matches.
+"""The serving engine: a bounded queue of requests (`Job`s, token ids in) and one worker thread that owns the model
+and runs what the scheduler (`jaxport.dream.serving.scheduler`, a pure function of the queue and the running batch)
+decides: static batches of one compiled program, or block calls of a running batch (continuous batching).
 
 What shapes the compiled program (part of `BatchKey`; requests batch only when it is equal) and what is per row:
 
@@ -23,7 +24,8 @@ can move the last bits of a score and so, rarely, break a near-tie differently. 
 runs alone (its masks would change the other rows' unmask counts, and where the first mask is shapes the program).
 
 Static batching runs a batch to the end of its longest row. With `batching="continuous"`, requests decoded block-wise
-with the dual cache run in a `RunningBatch` of their `Lane` instead (`jaxport.dream.engine`): rows join and leave at
+with the dual cache run in a `RunningBatch` of their `Lane` instead (`jaxport.dream.serving.running_batch`): rows join
+and leave at
 block boundaries, each at its own block, every call at the smallest batch size that holds the running rows, and each
 request's text is still its text alone.
 """
@@ -43,11 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxport.dream.engine import Lane, RunningBatch
 from jaxport.dream.fast import generate_blocks
 from jaxport.dream.program import decoding_program
 from jaxport.dream.sampling import Branches
 from jaxport.dream.serving.output import RowText
+from jaxport.dream.serving.running_batch import Lane, RunningBatch
+from jaxport.dream.serving.scheduler import Decision, Row, Running, Waiting, decide, rows_like_oldest
 from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
 from jaxport.dream.tokenizer import DreamTokenizer
 from jaxport.errors import JaxportError
@@ -214,8 +217,8 @@ def generate_canvases(
         yield canvas, block.end == input_ids.shape[1] + key.new_tokens, int(block.steps)
 
 
-class Scheduler:
-    """A bounded queue of `Job`s and the worker thread that runs them in batches of equal `BatchKey`."""
+class Engine:
+    """A bounded queue of `Job`s and the worker thread that runs them as the scheduler decides."""
 
     def __init__(
         self,
@@ -238,7 +241,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="dream-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="dream-engine", daemon=True)
         self.programs = CompiledPrograms(model, on_demand, self._compiling, self._compiled)
         self._describe = ""
         self.start_up: set = set()  # the programs (`BatchKey.program`) of the start-up set
@@ -356,6 +359,10 @@ class Scheduler:
                 for _ in self._generate(key, rows, when="at start-up"):
                     pass  # run every block: compiling each program is the point, not its text
 
+    def _queue(self) -> list[Waiting]:
+        """The waiting jobs as the scheduler sees them (under the lock)."""
+        return [Waiting(job, len(job.prompt_ids), job.key, job.lane) for job in self._waiting]
+
     def _loop(self):
         while True:
             with self._cond:
@@ -364,13 +371,13 @@ class Scheduler:
                 if not self._waiting:
                     return
                 if self._waiting[0].lane is None:  # static batching: a fuller batch, if it comes soon
-                    self._gather(lambda: not self._waiting or self._rows_like_oldest() >= self.max_batch)
+                    self._gather(lambda: not self._waiting or rows_like_oldest(self._queue()) >= self.max_batch)
                     if not self._waiting:
                         continue  # cancelled while it waited
-                lane = self._waiting[0].lane
-                jobs = [] if lane is not None else self._take()
-            if lane is not None:
-                self._run_lane(lane)
+                decision = decide(self._queue(), None, self.max_batch)
+                jobs = [] if decision.lane is not None else self._take(decision)
+            if decision.lane is not None:
+                self._run_lane(decision.lane)
             else:
                 self._run(jobs)
 
@@ -383,11 +390,6 @@ class Scheduler:
             if left <= 0:
                 return
             self._cond.wait(left)
-
-    def _rows_like_oldest(self) -> int:
-        """Rows of the waiting jobs that `_take` would batch with the oldest."""
-        key = self._waiting[0].key
-        return sum(len(job.prompt_ids) for job in self._waiting if job.key == key)
 
     def _lane_name(self, lane: Lane) -> str:
         return f"running batch {self.max_batch}, {BatchKey(lane.prompt_len, lane.new_tokens, lane.settings).describe()}"
@@ -404,19 +406,20 @@ class Scheduler:
         )
 
     def _run_lane(self, lane: Lane):
-        """Continuous batching in `lane` (`jaxport.dream.engine`): at every block boundary finished rows leave and
-        waiting rows of the lane take their slots, until no row runs. Rows of another lane wait for this one to
-        drain once one of them is the oldest waiting."""
+        """Continuous batching in `lane`: at every block boundary the scheduler's decision is applied (`_step`), until
+        no row runs. Rows of another lane wait for this one to drain once one of them is the oldest waiting."""
         batch = self._running_batch(lane)
         self.programs.pinning = lane in self.start_up
         self._describe = f"on first use: {self._lane_name(lane)}"
         slots: dict[int, tuple[Job, int, RowText]] = {}
-        left = 0  # rows that left at the last boundary: their clients may send more
+        finished: set[int] = set()  # slots whose rows finished in the last call
         while True:
             with self._cond:
+                called = len(slots)
+                left = len(self._step(lane, batch, slots, finished).leave)
                 # the clients of rows that just left may send their next requests at once: wait a little for them
-                expected = min(batch.running + left, batch.size) if left and slots else 0
-                self._gather(lambda expected=expected: self._admit(lane, batch, slots) >= expected)
+                expected = called if left and called > left else 0
+                self._gather(lambda expected=expected: self._step(lane, batch, slots, set()).rows >= expected)
                 self.running_rows, self.batch_size = batch.running, batch.call_size
             if not slots:
                 self.running_rows = self.batch_size = 0
@@ -433,32 +436,35 @@ class Scheduler:
                 self.running_rows = self.batch_size = 0
                 return
             now = time.perf_counter()
-            self._call_seconds, left = now - start, 0
+            self._call_seconds = now - start
             self.stats.update({"block calls": 1, "row blocks": len(slots)})
             for job in {job for job, _, _ in slots.values()}:
                 job.first_block, job.steps = job.first_block or now, job.steps + steps
-            for b, (job, index, text) in list(slots.items()):
+            finished = set()
+            for b, (job, index, text) in slots.items():
                 final = batch.done(b)
                 delta = text.update(batch.span(b), final)
                 if delta and not job.cancelled:
                     job.post("delta", (index, delta))
-                if text.finish_reason is not None or final or job.cancelled:
-                    batch.leave(b)
-                    del slots[b]
-                    left += 1
-                    job.rows_left -= 1
-                    if job.rows_left == 0:
-                        self._end(job)
+                if text.finish_reason is not None or final:
+                    finished.add(b)
 
-    def _admit(self, lane: Lane, batch: RunningBatch, slots: dict) -> int:
-        """Join the lane's waiting jobs that fit, oldest first (under the lock); returns the rows running."""
-        for job in list(self._waiting):
-            if job.lane != lane or len(job.prompt_ids) > batch.free:
-                break
+    def _step(self, lane: Lane, batch: RunningBatch, slots: dict, finished: set[int]) -> Decision:
+        """The scheduler's decision at a block boundary, applied (under the lock): rows that `finished` or whose
+        client went away leave, waiting rows of the lane join."""
+        rows = tuple(Row(b, job, b in finished, job.cancelled) for b, (job, _, _) in slots.items())
+        decision = decide(self._queue(), Running(lane, batch.size, rows), self.max_batch)
+        for b in decision.leave:
+            job = slots.pop(b)[0]
+            batch.leave(b)
+            job.rows_left -= 1
+            if job.rows_left == 0:
+                self._end(job)
+        for job in decision.admit:
             self._waiting.remove(job)
             self._join(batch, slots, job)
             job.batch_requests = len({job for job, _, _ in slots.values()})
-        return batch.running
+        return decision
 
     def _join(self, batch: RunningBatch, slots: dict, job: Job):
         job.started, job.rows_left = time.perf_counter(), len(job.prompt_ids)
@@ -474,16 +480,12 @@ class Scheduler:
         if not job.cancelled:
             job.post("done", None)
 
-    def _take(self) -> list[Job]:
-        """The oldest job and the later ones with its key, as many as fit in `max_batch` rows."""
-        key, rows, jobs = self._waiting[0].key, 0, []
-        for job in list(self._waiting):
-            if job.key == key and rows + len(job.prompt_ids) <= self.max_batch:
-                self._waiting.remove(job)
-                jobs.append(job)
-                rows += len(job.prompt_ids)
-        self.running_rows, self.batch_size = rows, bucket(rows, self.batch_sizes)
-        return jobs
+    def _take(self, decision: Decision) -> list[Job]:
+        """The jobs of a static batch, out of the queue (under the lock)."""
+        for job in decision.admit:
+            self._waiting.remove(job)
+        self.running_rows, self.batch_size = decision.rows, bucket(decision.rows, self.batch_sizes)
+        return list(decision.admit)
 
     def _run(self, jobs: list[Job]):
         start = time.perf_counter()
