@@ -374,8 +374,7 @@ def _compile_serve(args, settings) -> int:
     """`jaxport dream serve ... --compile-for SLICE`: the programs the server compiles at start-up (each warm-up
     setting at the largest batch, the most memory) compiled for a TPU slice and reported."""
     from jaxport.dream.params import placed_abstract_model
-    from jaxport.dream.serving.engine import batch_buckets
-    from jaxport.dream.serving.programs import ServedPrograms
+    from jaxport.dream.serving.programs import ServedPrograms, batch_buckets
     from jaxport.runtime.compile_for import compile_for
 
     config, tokenizer = _serve_config(args)

@@ -34,7 +34,7 @@ Ties among exactly equal scores go to the leftmost position (`sampling.unmask`).
 The steps of a block are one compiled `while_loop`. Blocks are calls of that program: compiled once for all
 blocks, or once per block index for the prefix cache (its window shrinks from block to block), so a caller can
 stream each finished block (`generate_blocks`). Without the prefix cache every row may be at a block of its own
-(`block` one index per row): a continuous batch (`jaxport.dream.serving.running_batch`) runs rows that joined at
+(`block` one index per row): a continuous batch (`jaxport.dream.serving.batches`) runs rows that joined at
 different times.
 """
 

@@ -25,11 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxport.dream.serving.engine import BatchKey, Engine, Job, QueueFull, bucket, log
+from jaxport.dream.serving.engine import Engine, Job, QueueFull, log
 from jaxport.dream.serving.metrics import CONTENT_TYPE, ServerMetrics
 from jaxport.dream.serving.middleware import CountResponses, LimitBody, error_response
 from jaxport.dream.serving.output import RowText
-from jaxport.dream.serving.programs import NotServed, ServedPrograms
+from jaxport.dream.serving.programs import BatchKey, NotServed, ServedPrograms, bucket
 from jaxport.dream.serving.protocol import (
     CHAT,
     COMPLETION,

@@ -2,107 +2,35 @@
 and runs what the scheduler (`jaxport.dream.serving.scheduler`, a pure function of the queue and the running batch)
 decides: static batches of one compiled program, or block calls of a running batch (continuous batching).
 
-What shapes the compiled program (part of `BatchKey`; requests batch only when it is equal) and what is per row:
-
-* the program: the prompt-length bucket, the `max_tokens` bucket (the number of new tokens on the canvas) and the
-  request's `ProgramSettings` (`jaxport.dream.settings`: `steps`, `alg`, `block_length`, `cache`, `schedule`);
-  the batch size is rounded up to a bucket (powers of two up to `max_batch`; spare rows repeat the first). The
-  server compiles a bounded set of these at start-up (`CompiledPrograms`); a request outside it is refused, unless
-  `--compile-on-demand` allows a few more.
-* per row: the prompt, `max_tokens` within its bucket (the text is cut there), `stop`, `n`, streaming, and the
-  sampling settings (`temperature`, `top_p`, `top_k`, `alg_temp`, `threshold`) with the random key: runtime inputs
-  `[B]` of the program (`jaxport.dream.sampling.Rows`), so any values batch together without compiling.
-
-A row's tokens depend only on its own prompt, settings and key: each request's prompt bucket comes from its own
-length, every row of a batch holds the same number of masks (the exact path's unmask count is shared by the batch;
-block-wise counts are per row), padding is invisible to the model, every batch passes its attention mask, and a
-row draws its random numbers from its own key. Row i of a request with a `seed` draws from
-`fold_in(key(seed), i)`, as `diffusion_generate(rng=key(seed))` draws for its row i: the same seed gives the same
-text, alone or in any batch (tested). Without a seed a request gets a fresh key. At one batch size a row's scores
-are the same bit for bit whatever the other rows hold (tested); another batch size may run other kernels, which
-can move the last bits of a score and so, rarely, break a near-tie differently. A prompt that holds the mask token
-runs alone (its masks would change the other rows' unmask counts, and where the first mask is shapes the program).
-
 Static batching runs a batch to the end of its longest row. With `batching="continuous"`, requests decoded block-wise
-with the dual cache run in a `RunningBatch` of their `Lane` instead (`jaxport.dream.serving.running_batch`): rows join
-and leave at
-block boundaries, each at its own block, every call at the smallest batch size that holds the running rows, and each
-request's text is still its text alone.
+with the dual cache run in a `RunningBatch` of their `Lane` instead (`jaxport.dream.serving.batches`): rows join and
+leave at block boundaries, each at its own block, every call at the smallest batch size that holds the running rows,
+and each request's text is still its text alone.
 """
 
-import bisect
 import dataclasses
 import os
 import sys
 import threading
 import time
 import traceback
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
-from jaxport.dream.fast import generate_blocks
-from jaxport.dream.program import decoding_program
-from jaxport.dream.sampling import Branches
+from jaxport.dream.serving.batches import Lane, RunningBatch, generate_canvases, rng_key
 from jaxport.dream.serving.output import RowText
-from jaxport.dream.serving.running_batch import Lane, RunningBatch
+from jaxport.dream.serving.programs import BatchKey, CompiledPrograms, batch_buckets, bucket
 from jaxport.dream.serving.scheduler import Decision, Row, Running, Waiting, decide, rows_like_oldest
-from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
+from jaxport.dream.settings import RowSettings
 from jaxport.dream.tokenizer import DreamTokenizer
 from jaxport.errors import JaxportError
 
 
 def log(message: str):
     print(message, file=sys.stderr, flush=True)
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes the server compiles: powers of two below `max_batch`, and `max_batch`."""
-    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
-
-
-def bucket(value: int, buckets: list[int]) -> int | None:
-    """The smallest bucket that holds `value`, or None when none does."""
-    i = bisect.bisect_left(buckets, value)
-    return buckets[i] if i < len(buckets) else None
-
-
-def rng_key(seed: int) -> jax.Array:
-    """A key for any 64-bit seed (`jax.random.key` keeps 32 bits without x64); equals `key(seed)` below 2**32."""
-    seed %= 1 << 64
-    return jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchKey:
-    """What the compiled generation depends on; requests batch together when these are equal."""
-
-    prompt_len: int  # rows are left-padded to this bucket
-    new_tokens: int  # max_tokens bucket: the canvas holds this many new tokens
-    settings: ProgramSettings  # checked for this canvas (`GenerationSettings.check`)
-    alone: str | None = None  # a request id: that request runs as a batch of its own
-
-    @classmethod
-    def of(cls, prompt_len: int, new_tokens: int, **settings) -> "BatchKey":
-        """The key for these `diffusion_generate` settings (raises `JaxportError` naming a bad one)."""
-        return cls(prompt_len, new_tokens, GenerationSettings.of(**settings).check(new_tokens).program)
-
-    @property
-    def program(self) -> tuple:
-        """The compiled shapes and settings, whoever runs them."""
-        return self.prompt_len, self.new_tokens, self.settings, self.alone is not None
-
-    def describe(self) -> str:
-        """The settings that are set, by name (eps and schedule only where not at their defaults)."""
-        defaults = {"eps": 1e-3, "schedule": "jaxport"}
-        given = sorted(
-            (k, v) for k, v in self.settings.model_dump(exclude_none=True).items() if defaults.get(k, None) != v
-        )
-        return ", ".join([f"prompt {self.prompt_len} + {self.new_tokens} new tokens"] + [f"{k} {v}" for k, v in given])
 
 
 @dataclasses.dataclass(eq=False)
@@ -140,81 +68,6 @@ class QueueFull(Exception):
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
         self.retry_after = retry_after
-
-
-def _spec(leaf) -> tuple:
-    return np.shape(leaf), str(leaf.dtype), getattr(leaf, "sharding", None)
-
-
-class CompiledPrograms:
-    """The server's compiled decoding programs, each compiled ahead of time by `decoding_program` and kept here:
-    those of the start-up set for good, those compiled on demand in a least-recently-used cache of at most
-    `on_demand` programs. A `Programs` for `diffusion_generate` / `generate_blocks` (`programs=`).
-
-    `pinning` says where a program compiled now goes (the scheduler sets it per batch); `compiling()` is told
-    before every compilation and `compiled(seconds, pinned)` after it."""
-
-    def __init__(self, model, on_demand: int = 0, compiling=None, compiled=None):
-        self.model, self.on_demand = model, on_demand
-        self.graphdef, self.state = nnx.split(model)
-        self.pinned: dict = {}
-        self.extra: OrderedDict = OrderedDict()
-        self.pinning = True
-        self.compiling = compiling or (lambda: None)
-        self.compiled = compiled or (lambda seconds, pinned: None)
-
-    def __len__(self) -> int:
-        return len(self.pinned) + len(self.extra)
-
-    def __call__(self, function, static: dict, x_BN, *dynamic):
-        # every program holds all the sampler's branches, so any request's settings run without compiling
-        static = {**static, "program": dataclasses.replace(static["program"], branches=Branches())}
-        leaves, tree = jax.tree.flatten((x_BN, dynamic))
-        signature = (function, tuple(sorted(static.items())), tree, tuple(map(_spec, leaves)))
-        program = self.pinned.get(signature)
-        if program is None and signature in self.extra:
-            self.extra.move_to_end(signature)
-            program = self.extra[signature]
-        if program is None:
-            program = self._compile(signature, function, static, x_BN, dynamic)
-        return program(self.state, x_BN, *dynamic)
-
-    def _compile(self, signature, function, static, x_BN, dynamic):
-        self.compiling()
-        start = time.perf_counter()
-        jitted = decoding_program(function, self.model, x_BN, static_argnames=("graphdef", *static))
-        program = jitted.lower(self.graphdef, self.state, x_BN, *dynamic, **static).compile()
-        if self.pinning:
-            self.pinned[signature] = program
-        else:
-            self.extra[signature] = program
-            while len(self.extra) > self.on_demand:
-                self.extra.popitem(last=False)
-        self.compiled(time.perf_counter() - start, self.pinning)
-        return program
-
-
-def generate_canvases(
-    model, key: BatchKey, input_ids, attention_mask, rows: dict, keys_B, programs
-) -> Iterator[tuple[np.ndarray, bool, int]]:
-    """`(canvas [B, N], final, steps run)` each time more of the canvas is final; `rows` holds the per-row
-    sampling settings (`diffusion_generate`'s arguments, a list of one value per row).
-
-    The exact path is one compiled program, so it yields once, at the end; block-wise decoding (any
-    fast-decoding setting) yields after every finished block, so streams send each block's text."""
-    args = dict(
-        GenerationSettings.of(**key.settings.model_dump(), **rows).arguments(),
-        max_new_tokens=key.new_tokens,
-        rng=keys_B,
-        programs=programs,
-    )
-    if key.settings.block_length is None:
-        sequences = model.diffusion_generate(input_ids, attention_mask, return_dict_in_generate=False, **args)
-        yield np.asarray(jax.device_get(sequences)), True, key.settings.steps
-        return
-    for block in generate_blocks(model, input_ids, attention_mask, **args):
-        canvas = np.asarray(jax.device_get(block.output.sequences))
-        yield canvas, block.end == input_ids.shape[1] + key.new_tokens, int(block.steps)
 
 
 class Engine:
