@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxport.dream.cache_kinds import CACHES, cache_help
 from jaxport.errors import JaxportError
 
 TRAINING_ACTIONS = {"train"}  # its steps run on the calling thread by default (runtime/settings.py)
@@ -41,7 +42,11 @@ def _add_fast(p: argparse.ArgumentParser):
         default=None,
         help="generate in blocks of this many tokens, left to right (must divide --max-new-tokens)",
     )
-    fast.add_argument("--cache", default=None, help="prefix or dual: approximate KV cache refreshed once per block")
+    fast.add_argument(
+        "--cache",
+        default=None,
+        help=f"{' or '.join(CACHES)}: approximate KV cache refreshed once per block ({cache_help()})",
+    )
     fast.add_argument(
         "--threshold",
         type=float,

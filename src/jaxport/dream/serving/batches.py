@@ -62,7 +62,7 @@ class Lane:
         """The lane of a row of `row_tokens` new tokens, or None where its settings cannot run in one (not block-wise
         with the dual cache, or blocks that do not divide the lane's canvas)."""
         width = settings.block_length
-        if settings.cache != "dual" or width is None or new_tokens % width or row_tokens % width:
+        if not settings.cache_kind.running_batch or width is None or new_tokens % width or row_tokens % width:
             return None
         per_block = settings.steps // (row_tokens // width)
         return cls(prompt_len, new_tokens, settings.model_copy(update={"steps": per_block * (new_tokens // width)}))
