@@ -29,6 +29,7 @@ import numpy as np
 from _common import emit, environment, peak_rss_bytes, utilisation
 
 from jaxport import dream
+from jaxport.dream.cache_kinds import cache_kind
 from jaxport.dream.fast import NEAR_TIE, decision_margins
 from jaxport.dream.params import load_model, save_pretrained
 from jaxport.dream.settings import fastdllm_settings
@@ -97,7 +98,7 @@ def algorithm_flops(config, ids, out, s: dict) -> float:
     for block in range(blocks):
         start = L + block * width
         taken = int((n_transfer[block * per_block : (block + 1) * per_block] > 0).sum())
-        window = width if s["cache"] == "dual" else N - start
+        window = cache_kind(s["cache"]).window(start, width, 0, N)
         total += forward_flops(config, N, N) + max(taken - 1, 0) * forward_flops(config, window, N)
     return ids.shape[0] * total
 

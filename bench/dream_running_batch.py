@@ -1,7 +1,8 @@
-"""One block call of a continuous batch (`jaxport.dream.engine.RunningBatch`: blocks of 32, the dual cache, greedy
-entropy ranking, one step per token) at each batch size and canvas: the seconds of a call with every slot decoding
-a fresh block, and per row. What a block boundary costs the server, and what bounds continuous batching's gain over
-static batching on a host whose time grows with the rows. One JSON line per canvas and batch size.
+"""One block call of a continuous batch (`jaxport.dream.serving.batches.RunningBatch`: blocks of 32, the dual
+cache, greedy entropy ranking, one step per token) at each batch size and canvas: the seconds of a call with every
+slot decoding a fresh block, and per row. What a block boundary costs the server, and what bounds continuous
+batching's gain over static batching on a host whose time grows with the rows. One JSON line per canvas and batch
+size.
 
     python bench/dream_running_batch.py                                  # the 40M config's random weights
     python bench/dream_running_batch.py --new-tokens 64,256 --sizes 1,8,16
@@ -16,8 +17,8 @@ import numpy as np
 from _common import emit, environment, peak_rss_bytes
 
 from jaxport import dream
-from jaxport.dream.engine import Lane, RunningBatch
-from jaxport.dream.scheduler import CompiledPrograms
+from jaxport.dream.serving.batches import Lane, RunningBatch
+from jaxport.dream.serving.programs import CompiledPrograms
 from jaxport.dream.settings import GenerationSettings, RowSettings
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from jaxport import cli, dream
 from jaxport.dream import fast
-from jaxport.dream.engine import Lane, RunningBatch
 from jaxport.dream.program import JitPrograms, padding_inputs, prepare_generation
+from jaxport.dream.serving.batches import Lane, RunningBatch
 from jaxport.dream.settings import GenerationSettings, RowSettings
 from jaxport.errors import JaxportError
 

@@ -511,9 +511,11 @@ def test_continuous_batching_frees_a_gone_clients_row_at_the_next_boundary(conti
 def _in_process_server(**settings):
     """A `DreamServer` on the fixture model (2 rows, a delay factor of 100 unless `settings` say otherwise) with its
     programs compiled, and `submit(prompt, max_tokens, told=None)`, which queues a request and returns an event set
-    when it ends; `told(kind, payload)` hears every post of the request, on the scheduler's thread. The scheduler
+    when it ends; `told(kind, payload)` hears every post of the request, on the engine's thread. The engine
     itself, with no network between a reply and the next request."""
-    from jaxport.dream.serve import COMPLETION, CompletionRequest, DreamServer, ServeSettings
+    from jaxport.dream.serving.api import DreamServer
+    from jaxport.dream.serving.protocol import COMPLETION, CompletionRequest
+    from jaxport.dream.serving.settings import ServeSettings
 
     model, tokenizer = dream.load(MODEL, dtype="float32")
     serve_settings = ServeSettings(
@@ -521,7 +523,7 @@ def _in_process_server(**settings):
         | settings
     )
     server = DreamServer(model, tokenizer, serve_settings)
-    server.scheduler.warmup(serve_settings.warmup_keys())
+    server.warmup()
 
     def submit(prompt: str, max_tokens: int, told=None) -> threading.Event:
         ended = threading.Event()
@@ -533,7 +535,7 @@ def _in_process_server(**settings):
                 ended.set()
 
         body = CompletionRequest(model=NAME, prompt=prompt, max_tokens=max_tokens)
-        server.scheduler.submit(server.job(body, [prompt], "prompt", COMPLETION, post))
+        server.engine.submit(server.job(body, [prompt], "prompt", COMPLETION, post))
         return ended
 
     return server, submit
@@ -541,7 +543,7 @@ def _in_process_server(**settings):
 
 def test_continuous_batching_starts_a_request_while_a_long_one_runs(capsys):
     """A request that arrives while a long one runs gets its first block before the long one ends, with no
-    compilation. The short request is submitted when the long one's first block is out, from the scheduler's own
+    compilation. The short request is submitted when the long one's first block is out, from the engine's own
     thread (before the next block boundary), and the order of the posts is read, not the clock."""
     server, submit = _in_process_server(
         max_tokens_buckets=(16, 128), batching="continuous", fast=(("block_length", 4), ("cache", "dual"))
@@ -549,16 +551,16 @@ def test_continuous_batching_starts_a_request_while_a_long_one_runs(capsys):
     assert "at start-up: running batch 2, prompt 64 + 128 new tokens, alg entropy, block_length 4" in (
         capsys.readouterr().err
     )
-    server.scheduler.start()
-    before = server.scheduler.metrics()["compilations"]
+    server.engine.start()
+    before = server.engine.metrics()["compilations"]
 
     def reply(prompt: str, max_tokens: int) -> tuple[str, int]:
         """The request's text alone, and how many tokens it generated."""
-        posts, tokens = [], server.scheduler.metrics()["generated_tokens"]
+        posts, tokens = [], server.engine.metrics()["generated_tokens"]
         submit(prompt, max_tokens, lambda kind, payload: posts.append((kind, payload))).wait()
         assert posts[-1] == ("done", None), posts[-1]
         text = "".join(payload[1] for kind, payload in posts if kind == "delta")
-        return text, server.scheduler.metrics()["generated_tokens"] - tokens
+        return text, server.engine.metrics()["generated_tokens"] - tokens
 
     # a prompt whose 128 tokens hold no end-of-text, so its row runs all 32 blocks
     long_prompt = next((p for p in PROMPTS if reply(p, 128)[1] == 128), None)
@@ -579,12 +581,12 @@ def test_continuous_batching_starts_a_request_while_a_long_one_runs(capsys):
         order.append(("long", kind))
 
     submit(long_prompt, 128, long_told).wait()
-    server.scheduler.stop()
+    server.engine.stop()
     assert order.index(("short", "delta")) < order.index(("long", "done")), (
         "the short request's first block came after the long one ended"
     )
     assert "".join(short_text) == alone
-    stats = server.scheduler.metrics()
+    stats = server.engine.metrics()
     assert stats["compilations"] == before and stats["errors"] == 0
 
 
@@ -592,15 +594,15 @@ def test_a_static_batch_waits_for_requests_that_fill_it():
     """--schedule-delay-factor with static batching: after a batch, the next one waits (up to the factor times the
     batch's seconds) until it is full; two requests sent one after the other when a batch ends run as one batch."""
     server, submit = _in_process_server(max_tokens_buckets=(8,))
-    server.scheduler.start()
+    server.engine.start()
     submit(PROMPTS[0], 8).wait()  # a batch of one: no batch ran before it, so nothing to wait for
     second = submit(PROMPTS[1], 8)
     time.sleep(0.05)  # well within 100 times the first batch's seconds
     third = submit(PROMPTS[2], 8)
     second.wait()
     third.wait()
-    server.scheduler.stop()
-    stats = server.scheduler.metrics()
+    server.engine.stop()
+    stats = server.engine.metrics()
     assert stats["errors"] == 0 and stats["batch_rows"] == {"1": 1, "2": 1}
 
 
@@ -612,14 +614,14 @@ def test_a_running_batch_waits_for_the_next_request_of_a_client_whose_row_left()
         max_tokens_buckets=(16, 64), batching="continuous", fast=(("block_length", 4), ("cache", "dual"))
     )
     long_ended, short_ended, shorts = submit(PROMPTS[1], 64), submit(PROMPTS[1], 16), 1  # both join the first call
-    server.scheduler.start()
+    server.engine.start()
     while not long_ended.is_set():
         short_ended.wait()
         if not long_ended.is_set():
             short_ended, shorts = submit(PROMPTS[1], 16), shorts + 1
     short_ended.wait()
-    server.scheduler.stop()
-    stats = server.scheduler.metrics()
+    server.engine.stop()
+    stats = server.engine.metrics()
     assert stats["errors"] == 0 and stats["requests"] == shorts + 1 and shorts >= 4
     tail = stats["block_calls"] - 16  # the last short row's calls after the long one's 16 blocks of 4
     long_alone = 16 - (stats["row_blocks"] - 16 - tail)

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxport.dream.cache_kinds import CACHES, cache_help
 from jaxport.errors import JaxportError
 
 TRAINING_ACTIONS = {"train"}  # its steps run on the calling thread by default (runtime/settings.py)
@@ -41,7 +42,11 @@ def _add_fast(p: argparse.ArgumentParser):
         default=None,
         help="generate in blocks of this many tokens, left to right (must divide --max-new-tokens)",
     )
-    fast.add_argument("--cache", default=None, help="prefix or dual: approximate KV cache refreshed once per block")
+    fast.add_argument(
+        "--cache",
+        default=None,
+        help=f"{' or '.join(CACHES)}: approximate KV cache refreshed once per block ({cache_help()})",
+    )
     fast.add_argument(
         "--threshold",
         type=float,
@@ -227,8 +232,8 @@ def _program(text: str) -> tuple:
 
 def serve(args) -> int:
     from jaxport import dream
-    from jaxport.dream.serve import ServeSettings
-    from jaxport.dream.serve import serve as run_server
+    from jaxport.dream.serving.api import serve as run_server
+    from jaxport.dream.serving.settings import ServeSettings
 
     settings = ServeSettings(
         model_name=args.served_model_name
@@ -382,7 +387,7 @@ def _compile_serve(args, settings) -> int:
     """`jaxport dream serve ... --compile-for SLICE`: the programs the server compiles at start-up (each warm-up
     setting at the largest batch, the most memory) compiled for a TPU slice and reported."""
     from jaxport.dream.params import placed_abstract_model
-    from jaxport.dream.scheduler import batch_buckets
+    from jaxport.dream.serving.programs import ServedPrograms, batch_buckets
     from jaxport.runtime.compile_for import compile_for
 
     config, tokenizer = _serve_config(args)
@@ -392,7 +397,7 @@ def _compile_serve(args, settings) -> int:
         mesh, flag = _compile_mesh(spec, devices)
         model = placed_abstract_model(config, args.dtype, mesh)
         programs = []
-        for key in settings.warmup_keys():
+        for key in ServedPrograms(settings).start_up_keys():
             generation = dict(key.settings, max_new_tokens=key.new_tokens)
             title = (
                 f"jaxport dream serve: {_decoding_name(generation)} of {rows} row(s), prompt bucket {key.prompt_len} "

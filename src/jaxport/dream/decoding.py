@@ -42,7 +42,7 @@ def diffusion_generate(
     and a block whose masks are all filled ends early (its remaining steps are recorded as unchanged).
 
     `programs` compiles and runs the decoding loop: jax.jit's own cache by default (`program.JitPrograms`), or a
-    server's registry of compiled programs (`jaxport.dream.scheduler.CompiledPrograms`).
+    server's registry of compiled programs (`jaxport.dream.serving.programs.CompiledPrograms`).
     """
     prepared = prepare_generation(model, input_ids, attention_mask, **generation_args)
     if prepared.program.blockwise:

@@ -34,7 +34,8 @@ Ties among exactly equal scores go to the leftmost position (`sampling.unmask`).
 The steps of a block are one compiled `while_loop`. Blocks are calls of that program: compiled once for all
 blocks, or once per block index for the prefix cache (its window shrinks from block to block), so a caller can
 stream each finished block (`generate_blocks`). Without the prefix cache every row may be at a block of its own
-(`block` one index per row): a continuous batch (`jaxport.dream.engine`) runs rows that joined at different times.
+(`block` one index per row): a continuous batch (`jaxport.dream.serving.batches`) runs rows that joined at
+different times.
 """
 
 import dataclasses
@@ -91,7 +92,7 @@ class _BlockLoop:
         self.model, self.valid_BN, self.keys_B, self.rows, self.block = model, valid_BN, keys_B, rows, block
         self.program, self.refresh, self.settings, self.mask_id = program, refresh, settings, program.mask_token_id
         self.B, self.N = B, N = x_BN.shape
-        self.width, self.cache_kind = settings.block_length, settings.cache
+        self.width, self.cache_kind = settings.block_length, settings.cache_kind
         self.fastdllm = settings.schedule == "fastdllm"
         self.steps = program.block_steps(N - program.first)
         self.schedule_steps = program.steps_per_block(N - program.first)
@@ -125,8 +126,7 @@ class _BlockLoop:
         if self.refresh:
             cache = self.full_forward(x_BN)[1]
         begin = self.start - self.lead
-        # the block, or the block and the suffix
-        size = self.width + self.lead if self.cache_kind == "dual" else self.N - begin
+        size = self.cache_kind.window(begin, self.width, self.lead, self.N)
         ids_BS, *cos_sin_BS = (window_at(a, begin, size) for a in (x_BN, *self.cos_sin))
         # every cached step of a block writes the same window, so the cache carries it on (updated in place)
         h_BSD, cache = self.model.hidden_states_cached(
@@ -137,7 +137,7 @@ class _BlockLoop:
     def forward(self, x_BN, cache, step):
         """(`hidden_at`: block positions -> the hidden states that score them, the cache). Without a cache, as the
         exact path: the last layer's queries and MLP run at the positions scored only."""
-        if self.cache_kind is None:
+        if not self.cache_kind.keeps:
             hidden_at_rows = self.model.hidden_states_at(x_BN, self.mask, cos_sin=self.cos_sin)
             return (lambda index_BW: hidden_at_rows(index_BW + self.start_B1 - 1)), None
         h_BWD, cache = jax.lax.cond(
@@ -240,7 +240,7 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, 
     loop = _BlockLoop(model, x_BN, valid_BN, keys_B, rows, head_DV, block, program, refresh)
     if program.tokens_hook is not None:
         x_BN = jax.lax.cond(block == 0, lambda x: program.tokens_hook(None, x, None), lambda x: x, x_BN)
-    cache = None if loop.cache_kind is None else loop.empty_cache(x_BN)
+    cache = loop.empty_cache(x_BN) if loop.cache_kind.keeps else None
     records = program.empty_records(loop.steps, loop.B, loop.N, model.dtype)
     active_B1 = jnp.any(loop.in_block(x_BN) == loop.mask_id, axis=-1, keepdims=True)
     done, x_BN, _, records, _ = jax.lax.while_loop(loop.running, loop.body, (0, x_BN, cache, records, active_B1))
@@ -255,7 +255,7 @@ def run_block(programs, prepared: Prepared, x_BN, block, refresh: bool = False):
     program = prepared.program
     static = {"program": program, "refresh": refresh}
     args = (x_BN, prepared.valid_BN, prepared.keys_B, prepared.rows, prepared.head_DV)
-    if program.settings.cache == "prefix":  # the window shape depends on the block: one program per block index
+    if program.settings.cache_kind.per_block_program:  # one program per block index
         return programs(_block, {**static, "block": int(block)}, *args)
     return programs(_block, static, *args, np.int32(block) if np.ndim(block) == 0 else block)
 
@@ -263,8 +263,8 @@ def run_block(programs, prepared: Prepared, x_BN, block, refresh: bool = False):
 def block_target(model, prepared: Prepared, index: int = 0, refresh: bool = False) -> tuple:
     """`(jitted program, arguments)` of block `index` as `run_blocks` runs it (also what `--compile-for` compiles)."""
     program = prepared.program
-    # the prefix cache's window shape depends on the block, so that path compiles per block index
-    static = ("graphdef", "program", "refresh") + (("block",) if program.settings.cache == "prefix" else ())
+    # a window whose shape depends on the block (the prefix cache's) compiles per block index
+    static = ("graphdef", "program", "refresh") + (("block",) if program.settings.cache_kind.per_block_program else ())
     compiled = decoding_program(_block, model, prepared.x_BN, static_argnames=static)
     p = prepared
     return compiled, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.head_DV, index, program, refresh)

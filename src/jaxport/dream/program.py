@@ -4,7 +4,7 @@ Dream decoding loop is jitted (`decoding_program`).
 `prepare_generation` turns `diffusion_generate`'s arguments into a `Prepared` (canvas, attention mask, per-row keys
 and sampling settings, `Program`); the exact loop (`jaxport.dream.exact`) and the block loop (`jaxport.dream.fast`)
 run it through a `Programs`: `JitPrograms` (jax.jit's own cache, the library's) or a server's own registry of
-compiled programs (`jaxport.dream.scheduler.CompiledPrograms`).
+compiled programs (`jaxport.dream.serving.programs.CompiledPrograms`).
 """
 
 import dataclasses

@@ -21,10 +21,10 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
+from jaxport.dream.cache_kinds import CACHE_KINDS, CACHES, DUAL, PREFIX, CacheKind
 from jaxport.errors import JaxportError
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-CACHES = ("prefix", "dual")
 # "jaxport": the schedule's share of each row's masks per step, fixed step budgets; "fastdllm": Fast-dLLM's
 # `generation_utils_block._sample` (jaxport.dream.fast)
 SCHEDULES = ("jaxport", "fastdllm")
@@ -62,7 +62,8 @@ NonNegative = Annotated[float, BeforeValidator(_number), _rule(lambda v: v >= 0,
 Probability = Annotated[float, BeforeValidator(_number), _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")]
 Fraction = Annotated[float, BeforeValidator(_number), _rule(lambda v: 0 < v < 1, "must be in (0, 1)")]
 Algorithm = Annotated[str, _one_of(ALGORITHMS, "alg")]
-Cache = Annotated[str, _rule(lambda v: v in CACHES, "must be None, 'prefix' or 'dual'")]
+_CACHE_NAMES = [repr(name) for name in CACHE_KINDS]
+Cache = Annotated[str, _rule(lambda v: v in CACHES, f"must be {', '.join(_CACHE_NAMES[:-1])} or {_CACHE_NAMES[-1]}")]
 Schedule = Annotated[str, _one_of(SCHEDULES, "schedule")]
 
 
@@ -147,6 +148,11 @@ class ProgramSettings(_Settings):
     block_length: Count | None = None
     cache: Cache | None = None
     schedule: Schedule = "jaxport"
+
+    @property
+    def cache_kind(self) -> CacheKind:
+        """The kind of cache `cache` names (`jaxport.dream.cache_kinds`)."""
+        return CACHE_KINDS[self.cache]
 
 
 class GenerationSettings(ProgramSettings, RowSettings):
@@ -267,7 +273,7 @@ def fastdllm_settings(
         alg="maskgit_plus" if by_threshold else "entropy",
         threshold=threshold if by_threshold else None,
         block_length=block_length,
-        cache="dual" if dual_cache else "prefix",
+        cache=DUAL.name if dual_cache else PREFIX.name,
         schedule="fastdllm",
         temperature=temperature,
         top_p=top_p,

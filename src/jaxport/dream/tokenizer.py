@@ -177,15 +177,18 @@ class DreamTokenizer:
         """Left-padded `(input_ids [B, L], attention_mask [B, L])` as int32 numpy arrays; `L` is the
         longest prompt, or `pad_to` (padding is invisible to the model, so one length serves every batch)."""
         texts = [texts] if isinstance(texts, str) else list(texts)
-        encoded = [self.encode(t) for t in texts]
+        return self.pad([self.encode(t) for t in texts], pad_to)
+
+    def pad(self, encoded: list[list[int]], pad_to: int | None = None):
+        """Encoded prompts as `__call__` returns texts: left-padded `(input_ids, attention_mask)`."""
         longest = max(len(ids) for ids in encoded)
         if longest == 0:
             raise JaxportError("every prompt is empty after tokenization")
         if pad_to is not None and pad_to < longest:
             raise JaxportError(f"a prompt has {longest} tokens, more than pad_to={pad_to}")
         length = longest if pad_to is None else pad_to
-        input_ids = np.full((len(texts), length), self.pad_token_id, np.int32)
-        attention_mask = np.zeros((len(texts), length), np.int32)
+        input_ids = np.full((len(encoded), length), self.pad_token_id, np.int32)
+        attention_mask = np.zeros((len(encoded), length), np.int32)
         for row, ids in enumerate(encoded):
             if ids:
                 input_ids[row, length - len(ids) :] = ids

@@ -2,7 +2,7 @@
 
 Each server has its own `CollectorRegistry`, so several apps in one process do not share counters. Counters and
 histograms are updated as requests and batches end; the gauges (queue depth, running rows, batch occupancy, compiled
-programs) are read from the scheduler at scrape time.
+programs) are read from the engine at scrape time.
 """
 
 import time
@@ -10,7 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxport.dream.scheduler import Job, Scheduler
+from jaxport.dream.serving.engine import Engine, Job
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -20,23 +20,23 @@ STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class ServerMetrics:
     """The metrics of one server, named `jaxport_dream_*`."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, engine: Engine):
         self.registry = registry = CollectorRegistry()
         p = "jaxport_dream_"
         self.requests = Counter(
             p + "requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"], registry=registry
         )
-        Gauge(p + "queue_rows", "rows waiting for a batch", registry=registry).set_function(scheduler.queued_rows)
+        Gauge(p + "queue_rows", "rows waiting for a batch", registry=registry).set_function(engine.queued_rows)
         Gauge(p + "running_rows", "rows of the batch running now", registry=registry).set_function(
-            lambda: scheduler.running_rows
+            lambda: engine.running_rows
         )
         Gauge(
             p + "batch_occupancy",
             "running rows over the batch size they are padded to (0 when idle)",
             registry=registry,
-        ).set_function(lambda: scheduler.running_rows / scheduler.batch_size if scheduler.batch_size else 0.0)
+        ).set_function(lambda: engine.running_rows / engine.batch_size if engine.batch_size else 0.0)
         Gauge(p + "compiled_programs", "decoding programs held compiled", registry=registry).set_function(
-            lambda: len(scheduler.programs)
+            lambda: len(engine.programs)
         )
         self.time_to_first_block = Histogram(
             p + "time_to_first_block_seconds",
@@ -62,8 +62,8 @@ class ServerMetrics:
         for label in ("start-up", "on demand"):  # both series exist from the start, at 0
             self.compilations.labels(label)
             self.compile_seconds.labels(label)
-        scheduler.finished = self.job_finished
-        scheduler.compiled_hooks.append(self.compiled)
+        engine.finished = self.job_finished
+        engine.compiled_hooks.append(self.compiled)
 
     def compiled(self, seconds: float, when: str):
         self.compilations.labels(when).inc()

@@ -1,4 +1,17 @@
-"""Continuous batching at block boundaries, for block-wise decoding with the dual cache.
+"""How a batch of rows runs on the model: a static batch to its end (`generate_canvases`), or a running batch a block
+at a time (`RunningBatch`, continuous batching).
+
+A row's tokens depend only on its own prompt, settings and key: each request's prompt bucket comes from its own
+length, every row of a batch holds the same number of masks (the exact path's unmask count is shared by the batch;
+block-wise counts are per row), padding is invisible to the model, every batch passes its attention mask, and a
+row draws its random numbers from its own key. Row i of a request with a `seed` draws from
+`fold_in(key(seed), i)`, as `diffusion_generate(rng=key(seed))` draws for its row i: the same seed gives the same
+text, alone or in any batch (tested). Without a seed a request gets a fresh key. At one batch size a row's scores
+are the same bit for bit whatever the other rows hold (tested); another batch size may run other kernels, which
+can move the last bits of a score and so, rarely, break a near-tie differently. A prompt that holds the mask token
+runs alone (its masks would change the other rows' unmask counts, and where the first mask is shapes the program).
+
+Continuous batching runs at block boundaries, for block-wise decoding with the dual cache.
 
 With the dual cache every row starts a block at the same moment, and each block call begins with a full forward of
 the canvas (which rebuilds the cache), so nothing of a row carries from one block call to the next but its canvas
@@ -16,14 +29,22 @@ the same number of steps in every row (`Lane`), so a row's tokens are those of `
 """
 
 import dataclasses
+from collections.abc import Iterator
 
 import jax
 import numpy as np
 
-from jaxport.dream.fast import run_block
+from jaxport.dream.fast import generate_blocks, run_block
 from jaxport.dream.program import Prepared, Program
 from jaxport.dream.sampling import Rows
-from jaxport.dream.settings import ProgramSettings, RowSettings
+from jaxport.dream.serving.programs import BatchKey
+from jaxport.dream.settings import GenerationSettings, ProgramSettings, RowSettings
+
+
+def rng_key(seed: int) -> jax.Array:
+    """A key for any 64-bit seed (`jax.random.key` keeps 32 bits without x64); equals `key(seed)` below 2**32."""
+    seed %= 1 << 64
+    return jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +62,7 @@ class Lane:
         """The lane of a row of `row_tokens` new tokens, or None where its settings cannot run in one (not block-wise
         with the dual cache, or blocks that do not divide the lane's canvas)."""
         width = settings.block_length
-        if settings.cache != "dual" or width is None or new_tokens % width or row_tokens % width:
+        if not settings.cache_kind.running_batch or width is None or new_tokens % width or row_tokens % width:
             return None
         per_block = settings.steps // (row_tokens // width)
         return cls(prompt_len, new_tokens, settings.model_copy(update={"steps": per_block * (new_tokens // width)}))
@@ -130,3 +151,26 @@ class RunningBatch:
         """Slot `b`'s new tokens on the canvas."""
         P = self.lane.prompt_len
         return self.x_BN[b, P : P + self.slots[b][1]]
+
+
+def generate_canvases(
+    model, key: BatchKey, input_ids, attention_mask, rows: dict, keys_B, programs
+) -> Iterator[tuple[np.ndarray, bool, int]]:
+    """`(canvas [B, N], final, steps run)` each time more of the canvas is final; `rows` holds the per-row
+    sampling settings (`diffusion_generate`'s arguments, a list of one value per row).
+
+    The exact path is one compiled program, so it yields once, at the end; block-wise decoding (any
+    fast-decoding setting) yields after every finished block, so streams send each block's text."""
+    args = dict(
+        GenerationSettings.of(**key.settings.model_dump(), **rows).arguments(),
+        max_new_tokens=key.new_tokens,
+        rng=keys_B,
+        programs=programs,
+    )
+    if key.settings.block_length is None:
+        sequences = model.diffusion_generate(input_ids, attention_mask, return_dict_in_generate=False, **args)
+        yield np.asarray(jax.device_get(sequences)), True, key.settings.steps
+        return
+    for block in generate_blocks(model, input_ids, attention_mask, **args):
+        canvas = np.asarray(jax.device_get(block.output.sequences))
+        yield canvas, block.end == input_ids.shape[1] + key.new_tokens, int(block.steps)
