@@ -2,6 +2,8 @@
 server process on 127.0.0.1 (random weights: the texts are gibberish, but deterministic)."""
 
 import concurrent.futures
+import contextlib
+import io
 import re
 import signal
 import socket
@@ -631,18 +633,26 @@ def _in_process_server(**settings):
     return server, submit
 
 
-def test_continuous_batching_starts_a_request_while_a_long_one_runs(capsys):
+@pytest.fixture(scope="module")
+def continuous_engine():
+    """One in-process continuous-batching server (buckets 16 and 64, blocks of 4, dual cache) and its start-up log,
+    shared by the tests below: each starts the engine and stops it, over the same compiled programs."""
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        server, submit = _in_process_server(
+            max_tokens_buckets=(16, 64), batching="continuous", fast=(("block_length", 4), ("cache", "dual"))
+        )
+    return server, submit, log.getvalue()
+
+
+def test_continuous_batching_starts_a_request_while_a_long_one_runs(continuous_engine):
     """A request that arrives while a long one runs gets its first block before the long one ends, with no
     compilation. The short request is submitted when the long one's first block is out, from the engine's own
     thread (before the next block boundary), and the order of the posts is read, not the clock."""
-    server, submit = _in_process_server(
-        max_tokens_buckets=(16, 128), batching="continuous", fast=(("block_length", 4), ("cache", "dual"))
-    )
-    assert "at start-up: running batch 2, prompt 64 + 128 new tokens, alg entropy, block_length 4" in (
-        capsys.readouterr().err
-    )
-    server.engine.start()
+    server, submit, start_up_log = continuous_engine
+    assert "at start-up: running batch 2, prompt 64 + 64 new tokens, alg entropy, block_length 4" in start_up_log
     before = server.engine.metrics()["compilations"]
+    server.engine.start()
 
     def reply(prompt: str, max_tokens: int) -> tuple[str, int]:
         """The request's text alone, and how many tokens it generated."""
@@ -652,8 +662,8 @@ def test_continuous_batching_starts_a_request_while_a_long_one_runs(capsys):
         text = "".join(payload[1] for kind, payload in posts if kind == "delta")
         return text, server.engine.metrics()["generated_tokens"] - tokens
 
-    # a prompt whose 128 tokens hold no end-of-text, so its row runs all 32 blocks
-    long_prompt = next((p for p in PROMPTS if reply(p, 128)[1] == 128), None)
+    # a prompt whose 64 tokens hold no end-of-text, so its row runs all 16 blocks
+    long_prompt = next((p for p in PROMPTS if reply(p, 64)[1] == 64), None)
     assert long_prompt is not None, "every prompt ends early on the fixture model"
     alone = reply(PROMPTS[3], 16)[0]
     assert alone, "the short prompt's reply is empty: it has no first block to stream"
@@ -670,7 +680,7 @@ def test_continuous_batching_starts_a_request_while_a_long_one_runs(capsys):
             submit(PROMPTS[3], 16, short_told)  # the long one's first block is out: the short one joins next
         order.append(("long", kind))
 
-    submit(long_prompt, 128, long_told).wait()
+    submit(long_prompt, 64, long_told).wait()
     server.engine.stop()
     assert order.index(("short", "delta")) < order.index(("long", "done")), (
         "the short request's first block came after the long one ended"
@@ -696,13 +706,12 @@ def test_a_static_batch_waits_for_requests_that_fill_it():
     assert stats["errors"] == 0 and stats["batch_rows"] == {"1": 1, "2": 1}
 
 
-def test_a_running_batch_waits_for_the_next_request_of_a_client_whose_row_left():
+def test_a_running_batch_waits_for_the_next_request_of_a_client_whose_row_left(continuous_engine):
     """--schedule-delay-factor: a client that sends its next request as soon as its reply ends takes its row back at
     the very next block call. A long request and a chain of short ones, each sent when the one before ends, start
     together; the short rows run in every one of the long one's calls (the wait ends once the row is replaced)."""
-    server, submit = _in_process_server(
-        max_tokens_buckets=(16, 64), batching="continuous", fast=(("block_length", 4), ("cache", "dual"))
-    )
+    server, submit, _ = continuous_engine
+    before = server.engine.metrics()
     long_ended, short_ended, shorts = submit(PROMPTS[1], 64), submit(PROMPTS[1], 16), 1  # both join the first call
     server.engine.start()
     while not long_ended.is_set():
@@ -711,7 +720,7 @@ def test_a_running_batch_waits_for_the_next_request_of_a_client_whose_row_left()
             short_ended, shorts = submit(PROMPTS[1], 16), shorts + 1
     short_ended.wait()
     server.engine.stop()
-    stats = server.engine.metrics()
+    stats = {k: v - before[k] for k, v in server.engine.metrics().items() if isinstance(v, int)}
     assert stats["errors"] == 0 and stats["requests"] == shorts + 1 and shorts >= 4
     tail = stats["block_calls"] - 16  # the last short row's calls after the long one's 16 blocks of 4
     long_alone = 16 - (stats["row_blocks"] - 16 - tail)

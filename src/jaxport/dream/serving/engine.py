@@ -166,7 +166,7 @@ class Engine:
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="dream-engine", daemon=True)
+        self._thread: threading.Thread | None = None
         self.programs = CompiledPrograms(model, on_demand, self._compiling, self._compiled)
         self._describe = ""
         self.start_up: set = set()  # the programs (`BatchKey.program`) of the start-up set
@@ -246,7 +246,10 @@ class Engine:
         }
 
     def start(self):
+        """Start the worker; after `stop()`, a new one over the same compiled programs."""
         self.programs.pinning = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="dream-engine", daemon=True)
         self._thread.start()
 
     def stop(self):
@@ -254,7 +257,8 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     # -- the worker ----------------------------------------------------------------------------
     def _lane(self, key: BatchKey) -> Lane | None:
