@@ -17,6 +17,7 @@ from jaxport.runtime.policy import (
     jit_once,
     jit_training_step,
     per_device,
+    remat_block,
     runs_per_device,
     use,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "jit_once",
     "jit_training_step",
     "per_device",
+    "remat_block",
     "runs_per_device",
     "start",
     "take_settings",
