@@ -67,7 +67,8 @@ def _add_compile_for(p: argparse.ArgumentParser, what: str):
         default=None,
         metavar="SLICE",
         help=f"compile {what} for a Cloud TPU slice (v2-8, v4-8, v5e-8, v5p-64, ...) on this machine and report its "
-        f"memory per device, FLOPs, collectives and a roofline time, reading no weights (needs jaxport[tpu])",
+        f"memory per device, FLOPs, collectives and a roofline time, reading no weights (needs jaxport[tpu]); exits "
+        f"with 3 where a program does not fit",
     )
 
 
@@ -379,8 +380,7 @@ def _compile_generate(args) -> int:
         for flag, spec in _mesh_refits(devices, args.mesh, ("1,1,{n}", "1,{n},1")):
             yield flag, lambda spec=spec: build(devices, spec)
 
-    compile_for(args.compile_for, build, refits)
-    return 0
+    return compile_for(args.compile_for, build, refits)
 
 
 def _compile_serve(args, settings) -> int:
@@ -412,8 +412,7 @@ def _compile_serve(args, settings) -> int:
         for flag, spec in _mesh_refits(devices, args.mesh, ("1,1,{n}", "1,{n},1")):
             yield flag, lambda spec=spec: build(devices, spec)
 
-    compile_for(args.compile_for, build, refits)
-    return 0
+    return compile_for(args.compile_for, build, refits)
 
 
 def _compile_train(cfg, slice_name: str) -> int:
@@ -439,8 +438,7 @@ def _compile_train(cfg, slice_name: str) -> int:
         for flag, spec in _mesh_refits(devices, cfg.mesh, tuple(layouts)):
             yield flag, lambda spec=spec: build(devices, spec)
 
-    compile_for(slice_name, build, refits)
-    return 0
+    return compile_for(slice_name, build, refits)
 
 
 def train(args) -> int:

@@ -7,7 +7,8 @@ abstract arrays in place of weights and data, and XLA's TPU compiler returns the
 per device: the memory XLA plans (arguments, outputs, temporaries, generated code) against the chip's HBM, the
 FLOPs and HBM bytes of XLA's cost analysis, the collectives of the partitioned program (kind, count, bytes), and a
 roofline estimate of the step time from the chip's datasheet figures (`jaxport.runtime.topologies`). Where the
-program does not fit, one line names a mesh (or batch) that does, compiled to check.
+program does not fit, one line names a mesh (or batch) that does, compiled to check, and the command exits with
+`DOES_NOT_FIT` after its reports: a job script's pre-flight check.
 
 The programs are jitted under the runtime of the slice's devices (`jaxport.runtime.for_devices`), so the models
 choose their layouts and attention for the target, not for this CPU.
@@ -38,6 +39,7 @@ from jaxport.runtime.topologies import GiB, Slice, parse_slice
 
 INSTALL = "pip install 'jaxport[tpu]'"
 MAX_REFITS = 4  # other meshes compiled to find one that fits
+DOES_NOT_FIT = 3  # the exit status of a command one of whose programs does not fit (errors exit with 1)
 
 
 @dataclasses.dataclass
@@ -75,6 +77,8 @@ class Report:
     refused: str | None = None  # XLA:TPU's words, when it refused to compile the program for want of HBM
     tried: list[str] = dataclasses.field(default_factory=list)  # the alternatives compiled, none fitting
     attention: str = ""  # the runtime's attention choice for the program's devices
+    remat: str = ""  # the runtime's remat choice for the program's devices
+    argument_bytes: int = 0  # per device, the program's abstract arguments (`argument_bytes`)
     compile_seconds: float = 0.0  # JAX's tracing, lowering and compiling of the program (`compile_seconds`)
 
     @property
@@ -188,6 +192,13 @@ def topology_devices(tpu: Slice) -> list:
             f"a {tpu.name} has {tpu.devices}"
         )
     return devices
+
+
+def argument_bytes(args) -> int:
+    """Bytes per device of a program's abstract arguments (`jax.ShapeDtypeStruct`s with shardings; static
+    arguments hold none): each array's shard."""
+    leaves = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None]
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
 def abstract(tree, shardings):
@@ -400,7 +411,9 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def analyse(tpu: Slice, program: Program) -> Report:
     """Compile `program` for the slice and read what it needs. A program past the HBM is reported, not raised:
     XLA's TPU compiler refuses it, saying how much it needed."""
-    report = Report(tpu, program, libtpu_version() or "?", attention=policy.for_devices(program.mesh).attention)
+    chosen = policy.for_devices(program.mesh)
+    report = Report(tpu, program, libtpu_version() or "?", attention=chosen.attention, remat=chosen.remat)
+    report.argument_bytes = argument_bytes(program.args)
     lowered, report.compile_seconds = with_compile_seconds(lambda: program.jitted.lower(*program.args))
     try:
         compiled, seconds = with_compile_seconds(lowered.compile)
@@ -463,6 +476,19 @@ def attention_line(attention: str, chip: str) -> str:
     return f"{attention} (--runtime attention={attention})"
 
 
+REMAT_LINES = {  # what the backward pass of a step computes again under each `Runtime.remat`
+    "none": "none: the backward pass keeps every activation it reads",
+    "attention_scores": "attention_scores: the backward pass computes each attention's scores again (q, k, v kept)",
+    "block": "block: the backward pass computes each transformer block again from its input",
+    "save_dots": "save_dots: the backward pass computes each transformer block again but its products with weights",
+}
+
+
+def remat_line(remat: str) -> str:
+    """What the report says of the program's remat (`Runtime.remat`)."""
+    return f"{REMAT_LINES[remat]} (--runtime remat={'|'.join(REMAT_LINES)})"
+
+
 def format_report(report: Report) -> str:
     tpu, chip, program = report.slice, report.slice.chip, report.program
     mesh = " ".join(f"{axis}={n}" for axis, n in program.mesh.shape.items())
@@ -474,6 +500,8 @@ def format_report(report: Report) -> str:
     lines += [f"  note         {note}" for note in program.notes]
     if report.attention:
         lines.append(f"  attention    {attention_line(report.attention, chip.name)}")
+    if report.remat:
+        lines.append(f"  remat        {remat_line(report.remat)}")
     if report.fits:
         verdict = f"fits ({report.needed / report.hbm:.0%})"
     else:
@@ -493,6 +521,9 @@ def format_report(report: Report) -> str:
         )
     if report.refused:
         lines.append(f"  memory       XLA's TPU compiler refuses it: {report.refused}")
+        if report.argument_bytes:
+            beyond = ", more than the HBM by themselves" if report.argument_bytes > report.hbm else ""
+            lines.append(f"               its arguments take {size(report.argument_bytes)} per device{beyond}")
     lines.append(
         f"               needs {'at least ' if report.refused else ''}{size(report.needed)} per device of a "
         f"{chip.name} device's {size(report.hbm)} HBM: {verdict}"
@@ -550,8 +581,9 @@ def compile_for(
     build: Callable[[list], list[Program]],
     refits: Callable[[list], Iterable[tuple[str, Callable[[], list[Program]]]]] | None = None,
     out=None,
-) -> list[Report]:
-    """Compile the programs `build(devices)` returns for the slice `slice_name` and print a report for each.
+) -> int:
+    """Compile the programs `build(devices)` returns for the slice `slice_name`, print a report for each and return
+    the command's exit status: 0 where every program fits, `DOES_NOT_FIT` where one does not.
 
     `refits(devices)` yields `(flag, build)` alternatives in the order a user should prefer them (another mesh, a
     smaller batch); for a program that does not fit, up to `MAX_REFITS` of them are compiled and the first whose
@@ -577,4 +609,4 @@ def compile_for(
                 report.tried.append(flag)
         print(format_report(report), file=out, flush=True)
         reports.append(report)
-    return reports
+    return 0 if all(report.fits for report in reports) else DOES_NOT_FIT
