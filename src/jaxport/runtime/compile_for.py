@@ -7,8 +7,10 @@ abstract arrays in place of weights and data, and XLA's TPU compiler returns the
 per device: the memory XLA plans (arguments, outputs, temporaries, generated code) against the chip's HBM, the
 FLOPs and HBM bytes of XLA's cost analysis, the collectives of the partitioned program (kind, count, bytes), and a
 roofline estimate of the step time from the chip's datasheet figures (`jaxport.runtime.topologies`). Where the
-program does not fit, one line names a mesh (or batch) that does, compiled to check, and the command exits with
-`DOES_NOT_FIT` after its reports: a job script's pre-flight check.
+program does not fit, one line names a mesh (or batch) that does, compiled to check. A command that keeps several
+programs (a server's start-up set) ends with what they need held at once (`held_together`). A command whose
+program, or whose programs held at once, do not fit exits with `DOES_NOT_FIT` after its reports: a job script's
+pre-flight check.
 
 The programs are jitted under the runtime of the slice's devices (`jaxport.runtime.for_devices`), so the models
 choose their layouts and attention for the target, not for this CPU.
@@ -576,18 +578,43 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def held_together(holder: str, reports: list[Report]) -> tuple[str, bool]:
+    """What `holder`, a process that keeps every program of `reports` compiled and runs one at a time over the same
+    weights (a server's start-up set), needs per device: the largest call's arguments, outputs and temporaries,
+    and the code of them all; the lines that say so and whether it fits. A program XLA refused counts with what it
+    needed at least, and does not fit."""
+    if not reports:
+        return f"{holder}: no programs", True
+    code = sum(report.memory["code"] for report in reports if report.memory)
+    call = max(report.needed - (report.memory["code"] if report.memory else 0) for report in reports)
+    needed, first = call + code, reports[0]
+    refused = any(report.refused for report in reports)
+    fits = not refused and needed <= first.hbm
+    verdict = f"fits ({needed / first.hbm:.0%})" if fits else "DOES NOT FIT"
+    lines = [
+        f"{holder}: its {len(reports)} programs held at once, one running at a time over the same weights",
+        f"  memory       per device: the largest call's arguments, outputs and temporaries {size(call)}, the code "
+        f"of all {len(reports)} programs {size(code)}",
+        f"               needs {'at least ' if refused else ''}{size(needed)} per device of a "
+        f"{first.slice.chip.name} device's {size(first.hbm)} HBM: {verdict}",
+    ]
+    return "\n".join(lines), fits
+
+
 def compile_for(
     slice_name: str,
     build: Callable[[list], list[Program]],
     refits: Callable[[list], Iterable[tuple[str, Callable[[], list[Program]]]]] | None = None,
     out=None,
+    holder: str | None = None,
 ) -> int:
     """Compile the programs `build(devices)` returns for the slice `slice_name`, print a report for each and return
     the command's exit status: 0 where every program fits, `DOES_NOT_FIT` where one does not.
 
     `refits(devices)` yields `(flag, build)` alternatives in the order a user should prefer them (another mesh, a
     smaller batch); for a program that does not fit, up to `MAX_REFITS` of them are compiled and the first whose
-    program of the same place fits is named in its report."""
+    program of the same place fits is named in its report. A `holder` (a server) keeps every program compiled at
+    once: what they need together is printed last (`held_together`), and must fit too."""
     out = out or sys.stdout
     tpu = parse_slice(slice_name)
     # compile-only programs are no use in the on-disk cache of compiled programs
@@ -609,4 +636,9 @@ def compile_for(
                 report.tried.append(flag)
         print(format_report(report), file=out, flush=True)
         reports.append(report)
-    return 0 if all(report.fits for report in reports) else DOES_NOT_FIT
+    fits = all(report.fits for report in reports)
+    if holder is not None:
+        text, held_fits = held_together(holder, reports)
+        print(text, file=out, flush=True)
+        fits = fits and held_fits
+    return 0 if fits else DOES_NOT_FIT
