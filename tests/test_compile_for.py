@@ -157,6 +157,35 @@ def test_a_program_that_does_not_fit_exits_with_does_not_fit_after_its_report(mo
     assert printed.count("compiled for a TPU v5e-8") == 2 and "DOES NOT FIT" in printed
 
 
+def test_programs_that_fit_alone_but_not_held_together_exit_with_does_not_fit(monkeypatch):
+    """A server keeps its start-up set compiled at once (`holder`): two programs of 10 GiB per device, 9 GiB of it
+    code, each fit a v5e's 16 GiB, but held together they need 1 GiB of buffers and 18 GiB of code."""
+    import io
+
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    memory = {"arguments": 2**30, "outputs": 0, "aliased": 0, "temporaries": 0, "code": 9 * 2**30}
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # this process's platforms stay as they are
+    monkeypatch.setattr(compile_for, "topology_devices", lambda tpu: [None] * tpu.devices)
+    monkeypatch.setattr(
+        compile_for, "analyse", lambda tpu, p: compile_for.Report(tpu, p, "0", memory=memory, needed=10 * 2**30)
+    )
+
+    def status(holder):
+        out = io.StringIO()
+        build = lambda devices: [compile_for.Program(t, None, (), mesh, "--fsdp=1") for t in ("a", "b")]  # noqa: E731
+        return compile_for.compile_for("v5e-4", build, out=out, holder=holder), out.getvalue()
+
+    code, printed = status(None)
+    assert code == 0 and "DOES NOT FIT" not in printed and "held at once" not in printed
+    code, printed = status("the server")
+    assert code == compile_for.DOES_NOT_FIT, printed
+    assert printed.rstrip().endswith("needs 19 GiB per device of a v5e device's 16 GiB HBM: DOES NOT FIT"), printed
+    assert "the server: its 2 programs held at once" in printed
+
+
 @needs_libtpu
 def test_a_programs_arguments_are_counted_per_device():
     """`argument_bytes`: each abstract array's shard on one device; static arguments count nothing."""
