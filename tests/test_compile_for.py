@@ -16,7 +16,7 @@ import pytest
 
 from jaxport.errors import JaxportError
 from jaxport.nn import swiglu_intermediate_size
-from jaxport.runtime import compile_for, topologies
+from jaxport.runtime import compile_for, hlo, topologies
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_DREAM = FIXTURES / "dream" / "tiny_sharded" / "model"
@@ -103,9 +103,9 @@ def test_the_flops_line_counts_loops_of_unknown_length_once():
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     program = compile_for.Program("a step", None, (), mesh, "no --mesh")
-    hlo = compile_for.HloSummary(collectives=[], loops=[2, *[None] * 190, 1], extra_flops=1e12, extra_traffic_share=0)
+    loops = hlo.HloSummary(collectives=[], loops=[2, *[None] * 190, 1], extra_flops=1e12, extra_traffic_share=0)
     report = compile_for.Report(
-        topologies.parse_slice("v5p-64"), program, "0", flops=1e12, hbm_bytes=1e9, hlo=hlo, needed=2**30
+        topologies.parse_slice("v5p-64"), program, "0", flops=1e12, hbm_bytes=1e9, hlo=loops, needed=2**30
     )
     line = next(line for line in compile_for.format_report(report).splitlines() if "FLOPs" in line)
     assert "?" not in line

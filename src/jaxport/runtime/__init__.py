@@ -3,7 +3,7 @@ attention kernel, row chunks, host memory), decided from the devices, compute dt
 applied where each program is jitted. Models and layers describe the math; they read the decisions from
 `current()` while a program is traced; each decision is a setting a user can override (`settings.py`). Beside the
 policy: the process's compiled programs (`compile_cache`: kept on disk for the next run; `compile_seconds`: the time
-spent compiling them) and `compile_for` (`--compile-for SLICE`)."""
+spent compiling them) and `compile_for` with `hlo` (`--compile-for SLICE`)."""
 
 from jaxport.runtime import host_memory
 from jaxport.runtime.policy import (
