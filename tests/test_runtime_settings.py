@@ -2,6 +2,7 @@
 the bad key or value, applied to the programs jitted afterwards, printed at start-up and recorded with the run."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -97,25 +98,30 @@ def test_remat_of_attention_scores_recomputes_them_in_the_backward_pass():
         assert "remat2" in primitives()  # jax.checkpoint's
 
 
-def loss_and_gradients(module, loss, remat: str):
-    """(`loss(module)`, its gradients with respect to the module's parameters) on this CPU with `remat`, and whether
-    the gradient's program holds jax.checkpoint's primitive. The losses weigh the final states at random (a sum of
-    squares after an RMSNorm hardly depends on its input: its gradients would be rounding noise)."""
+# The backend's optimisation level changes how fast a program runs, not what it computes (XLA's HLO passes, remat's
+# barriers among them, run as ever); at 0 these tiny programs compile in half the CPU time.
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def with_random_params(build):
+    """The module `build()` makes, built as shapes alone (an initialiser costs a compile), its parameters normal."""
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    gradient = jax.value_and_grad(lambda params: loss(nnx.merge(graphdef, params, rest)))
-    with runtime.use(dataclasses.replace(runtime.for_devices(jax.devices("cpu")), remat=remat)):
-        checkpointed = "remat2" in {equation.primitive.name for equation in jax.make_jaxpr(gradient)(params).jaxpr.eqns}
-        return jax.jit(gradient)(params), checkpointed
+    graphdef, params, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda p: jnp.asarray(rng.normal(0.0, 0.5, p.shape), p.dtype), params)
+    return nnx.merge(graphdef, params, rest)
 
 
 def tiny_gpt():
+    from flax import nnx
+
     from jaxport.gpt.config import GPTConfig
     from jaxport.gpt.model import GPT
 
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 33)), jnp.int32)
-    model = GPT.init(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 9)), jnp.int32)
+    config = GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    model = with_random_params(lambda: GPT(config, rngs=nnx.Rngs(0)))
     return model, lambda model: model.forward(tokens[:, :-1], tokens[:, 1:])[1]
 
 
@@ -123,13 +129,16 @@ def tiny_trm():
     from flax import nnx
 
     from jaxport import trm
+    from jaxport.nn import rotary_cos_sin
+    from jaxport.trm.model import ReasoningModule
 
     config = trm.TRMConfig(
-        hidden_size=32, num_heads=2, L_layers=2, vocab_size=11, num_puzzle_identifiers=1, forward_dtype="float32"
+        hidden_size=16, num_heads=2, L_layers=1, vocab_size=11, num_puzzle_identifiers=1, forward_dtype="float32"
     )
-    h, weights = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, 16, 32)), jnp.float32)
-    model = trm.TRM(config, rngs=nnx.Rngs(0))
-    return model, lambda model: jnp.sum(model.inner.L_level(h, 0.5 * h, model.inner.cos_sin(16)) * weights)
+    h, weights = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, 8, 16)), jnp.float32)
+    cos_sin = rotary_cos_sin(config.hidden_size // config.num_heads, jnp.arange(8), config.rope_theta)
+    module = with_random_params(lambda: ReasoningModule(config, nnx.Rngs(0)))  # TRM's L_level
+    return module, lambda module: jnp.sum(module(h, 0.5 * h, cos_sin) * weights)
 
 
 def tiny_dream():
@@ -138,13 +147,35 @@ def tiny_dream():
     from jaxport import dream
 
     config = dream.DreamConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, mask_token_id=63, pad_token_id=62, eos_token_id=62, bos_token_id=62,
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, mask_token_id=63, pad_token_id=62, eos_token_id=62, bos_token_id=62,
     )  # fmt: skip
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 16)), jnp.int32)
-    weights = jnp.asarray(np.random.default_rng(1).normal(size=(4, 16, 32)), jnp.float32)
-    model = dream.DreamModel(config, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 8)), jnp.int32)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(1, 8, 16)), jnp.float32)
+    model = with_random_params(lambda: dream.DreamModel(config, rngs=nnx.Rngs(0)))
     return model, lambda model: jnp.sum(model.hidden_states(tokens) * weights)
+
+
+@functools.cache
+def tiny(family: str):
+    """A tiny model of `family` (one block, one row) and its loss: `gradients(remat)` gives the loss, its gradients
+    with respect to the model's parameters on this CPU with `remat`, and whether the compiled program holds
+    jax.checkpoint's primitive. The losses weigh the final states at random (a sum of squares after an RMSNorm hardly
+    depends on its input: its gradients would be rounding noise)."""
+    from flax import nnx
+
+    module, loss = {"gpt": tiny_gpt, "trm": tiny_trm, "dream": tiny_dream}[family]()
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    gradient = jax.value_and_grad(lambda params: loss(nnx.merge(graphdef, params, rest)))
+
+    @functools.cache
+    def gradients(remat: str):
+        with runtime.use(dataclasses.replace(runtime.for_devices(jax.devices("cpu")), remat=remat)):
+            traced = jax.jit(gradient, compiler_options=QUICK_COMPILE).trace(params)
+        checkpointed = "remat2" in {equation.primitive.name for equation in traced.jaxpr.eqns}
+        return traced.lower().compile()(params), checkpointed
+
+    return gradients
 
 
 @pytest.mark.parametrize(
@@ -153,11 +184,10 @@ def tiny_dream():
 )
 def test_each_remat_gives_the_loss_and_gradients_of_none(family, remat):
     """A remat value changes what the backward pass keeps, not what it computes: a tiny model's loss and gradients
-    equal those with none (float32); block and save_dots checkpoint each block (`runtime.remat_block`), which none
-    leaves as it is."""
-    module, loss = {"gpt": tiny_gpt, "trm": tiny_trm, "dream": tiny_dream}[family]()
-    (kept_loss, kept_grads), kept_checkpointed = loss_and_gradients(module, loss, "none")
-    (value, grads), checkpointed = loss_and_gradients(module, loss, remat)
+    equal those with none (float32, each family's compiled once); block and save_dots checkpoint each block
+    (`runtime.remat_block`), which none leaves as it is."""
+    (kept_loss, kept_grads), kept_checkpointed = tiny(family)("none")
+    (value, grads), checkpointed = tiny(family)(remat)
     assert (kept_checkpointed, checkpointed) == (False, True)
     np.testing.assert_allclose(np.asarray(value), np.asarray(kept_loss), rtol=1e-6)
     for g, kept in zip(jax.tree.leaves(grads), jax.tree.leaves(kept_grads), strict=True):
