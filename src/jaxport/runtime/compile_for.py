@@ -294,6 +294,24 @@ def remat_line(remat: str) -> str:
     return f"{REMAT_LINES[remat]} (--runtime remat={'|'.join(REMAT_LINES)})"
 
 
+def flops_line(report: Report) -> str:
+    """What the report says of the program's FLOPs: per device, as XLA counts them with the loops' further
+    iterations added, and over the mesh."""
+    known = [n for n in report.hlo.loops if n is not None and n != 1]
+    unknown = sum(n is None for n in report.hlo.loops)
+    text = f"{count(report.total_flops, 'FLOP')} per device per call"
+    if known or unknown:
+        text += f" (XLA's count, {count(report.flops, 'FLOP')}, takes each loop's body once"
+        if known:
+            lengths = ", ".join(map(str, known))
+            text += f"; the matrix products of the other iterations of its loop(s) of {lengths} iterations added"
+        text += f"; {unknown} loop(s) of unknown length counted once: a bound from below)" if unknown else ")"
+    else:
+        text += " (XLA's count)"
+    devices = report.program.mesh.devices.size
+    return f"{text}; {count(report.total_flops * devices, 'FLOP')} over the mesh's {devices} devices"
+
+
 def format_report(report: Report) -> str:
     tpu, chip, program = report.slice, report.slice.chip, report.program
     mesh = " ".join(f"{axis}={n}" for axis, n in program.mesh.shape.items())
@@ -336,21 +354,7 @@ def format_report(report: Report) -> str:
     if report.memory:
         lines.append(f"  compiling    {report.compile_seconds:.1f} s on this CPU (tracing, lowering, XLA:TPU)")
     if report.flops:
-        known = [n for n in report.hlo.loops if n is not None and n != 1]
-        unknown = sum(n is None for n in report.hlo.loops)
-        text = f"{count(report.total_flops, 'FLOP')} per device per call"
-        if known or unknown:
-            text += f" (XLA's count, {count(report.flops, 'FLOP')}, takes each loop's body once"
-            if known:
-                lengths = ", ".join(map(str, known))
-                text += f"; the matrix products of the other iterations of its loop(s) of {lengths} iterations added"
-            text += f"; {unknown} loop(s) of unknown length counted once: a bound from below)" if unknown else ")"
-        else:
-            text += " (XLA's count)"
-        devices = program.mesh.devices.size
-        lines.append(
-            f"  FLOPs        {text}; {count(report.total_flops * devices, 'FLOP')} over the mesh's {devices} devices"
-        )
+        lines.append(f"  FLOPs        {flops_line(report)}")
     if report.memory is not None:
         lines.append(
             "  collectives  "
