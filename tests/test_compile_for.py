@@ -1,7 +1,8 @@
 """`--compile-for SLICE`: each family's real step compiled for a small TPU slice on this CPU, through the real CLI,
 with a report whose numbers hold together (memory positive and below the chip's HBM, FLOPs within 10% of the
-model's analytic count for a step without loops); a program too large for the chip names a mesh that fits; the
-slice names, a missing libtpu and a generation libtpu refuses each get one clear line."""
+model's analytic count for a step without loops, the runtime's attention and remat named); a program too large for
+the chip names a mesh that fits and exits with DOES_NOT_FIT; the slice names, a missing libtpu and a generation
+libtpu refuses each get one clear line."""
 
 import dataclasses
 import json
@@ -15,7 +16,7 @@ import pytest
 
 from jaxport.errors import JaxportError
 from jaxport.nn import swiglu_intermediate_size
-from jaxport.runtime import compile_for, topologies
+from jaxport.runtime import compile_for, hlo, topologies
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_DREAM = FIXTURES / "dream" / "tiny_sharded" / "model"
@@ -55,6 +56,8 @@ def check(proc: subprocess.CompletedProcess, analytic_flops: float | None) -> di
     (report,) = reports(proc.stdout)
     assert 0 < report["needed"] < report["hbm"] and report["fits"], report["text"]
     assert "roofline" in report["text"] and "collectives" in report["text"]
+    assert re.search(r"^  attention    \w+", report["text"], re.M), report["text"]
+    assert re.search(r"^  remat        (none|attention_scores|block|save_dots): ", report["text"], re.M)
     if analytic_flops is not None:
         assert report["flops"] == pytest.approx(analytic_flops, rel=0.10), (report["flops"], analytic_flops)
     return report
@@ -100,14 +103,101 @@ def test_the_flops_line_counts_loops_of_unknown_length_once():
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     program = compile_for.Program("a step", None, (), mesh, "no --mesh")
-    hlo = compile_for.HloSummary(collectives=[], loops=[2, *[None] * 190, 1], extra_flops=1e12, extra_traffic_share=0)
+    loops = hlo.HloSummary(collectives=[], loops=[2, *[None] * 190, 1], extra_flops=1e12, extra_traffic_share=0)
     report = compile_for.Report(
-        topologies.parse_slice("v5p-64"), program, "0", flops=1e12, hbm_bytes=1e9, hlo=hlo, needed=2**30
+        topologies.parse_slice("v5p-64"), program, "0", flops=1e12, hbm_bytes=1e9, hlo=loops, needed=2**30
     )
     line = next(line for line in compile_for.format_report(report).splitlines() if "FLOPs" in line)
     assert "?" not in line
     assert "its loop(s) of 2 iterations added" in line
     assert "190 loop(s) of unknown length counted once" in line
+
+
+def test_a_report_names_its_attention_and_remat_and_a_refused_programs_arguments():
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    program = compile_for.Program("a step", None, (), mesh, "--fsdp=1")
+    tpu = topologies.parse_slice("v5e-8")
+    refused = compile_for.Report(tpu, program, "0", attention="splash", remat="block", needed=44 * 2**30)
+    refused.refused, refused.argument_bytes = "RESOURCE_EXHAUSTED: Ran out of memory on HBM", 17 * 2**30
+    lines = compile_for.format_report(refused).splitlines()
+    assert lines[2].startswith("  attention    splash: Pallas's splash-attention kernel")
+    assert lines[3] == (
+        "  remat        block: the backward pass computes each transformer block again from its input "
+        "(--runtime remat=none|attention_scores|block|save_dots)"
+    )
+    assert "               its arguments take 17 GiB per device, more than the HBM by themselves" in lines
+    assert "DOES NOT FIT with --fsdp=1" in lines[-1]
+
+
+def test_a_program_that_does_not_fit_exits_with_does_not_fit_after_its_report(monkeypatch):
+    """The status a job script's pre-flight check reads: 0 where every program fits, DOES_NOT_FIT (not an error's
+    1) where one does not, each report printed first."""
+    import io
+
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    needs = {"small": 2**30, "large": 20 * 2**30}
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # this process's platforms stay as they are
+    monkeypatch.setattr(compile_for, "topology_devices", lambda tpu: [None] * tpu.devices)
+    monkeypatch.setattr(compile_for, "analyse", lambda tpu, p: compile_for.Report(tpu, p, "0", needed=needs[p.title]))
+
+    def status(*titles):
+        out = io.StringIO()
+        build = lambda devices: [compile_for.Program(t, None, (), mesh, "--fsdp=1") for t in titles]  # noqa: E731
+        return compile_for.compile_for("v5e-8", build, out=out), out.getvalue()
+
+    assert status("small")[0] == 0
+    code, printed = status("small", "large")
+    assert code == compile_for.DOES_NOT_FIT == 3
+    assert printed.count("compiled for a TPU v5e-8") == 2 and "DOES NOT FIT" in printed
+
+
+def test_programs_that_fit_alone_but_not_held_together_exit_with_does_not_fit(monkeypatch):
+    """A server keeps its start-up set compiled at once (`holder`): two programs of 10 GiB per device, 9 GiB of it
+    code, each fit a v5e's 16 GiB, but held together they need 1 GiB of buffers and 18 GiB of code."""
+    import io
+
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    memory = {"arguments": 2**30, "outputs": 0, "aliased": 0, "temporaries": 0, "code": 9 * 2**30}
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # this process's platforms stay as they are
+    monkeypatch.setattr(compile_for, "topology_devices", lambda tpu: [None] * tpu.devices)
+    monkeypatch.setattr(
+        compile_for, "analyse", lambda tpu, p: compile_for.Report(tpu, p, "0", memory=memory, needed=10 * 2**30)
+    )
+
+    def status(holder):
+        out = io.StringIO()
+        build = lambda devices: [compile_for.Program(t, None, (), mesh, "--fsdp=1") for t in ("a", "b")]  # noqa: E731
+        return compile_for.compile_for("v5e-4", build, out=out, holder=holder), out.getvalue()
+
+    code, printed = status(None)
+    assert code == 0 and "DOES NOT FIT" not in printed and "held at once" not in printed
+    code, printed = status("the server")
+    assert code == compile_for.DOES_NOT_FIT, printed
+    assert printed.rstrip().endswith("needs 19 GiB per device of a v5e device's 16 GiB HBM: DOES NOT FIT"), printed
+    assert "the server: its 2 programs held at once" in printed
+
+
+@needs_libtpu
+def test_a_programs_arguments_are_counted_per_device():
+    """`argument_bytes`: each abstract array's shard on one device; static arguments count nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(compile_for.topology_devices(topologies.parse_slice("v5e-4"))), ("data",))
+    split = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    whole = jax.ShapeDtypeStruct((3,), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+    assert compile_for.argument_bytes(({"w": split}, [whole], "static")) == 2 * 16 * 4 + 3 * 2
 
 
 def test_without_libtpu_the_flag_says_what_to_install(monkeypatch):
@@ -216,6 +306,40 @@ def test_attention_on_a_tpu_recomputes_its_scores_in_the_backward_pass():
 
 
 @needs_libtpu
+def test_block_remat_keeps_each_blocks_input_alone_on_a_tpu():
+    """remat=block (`runtime.remat_block`): compiled for a TPU v2 core, the gradient of eight blocks keeps each block's
+    input for the backward pass, not its `[N, F]` hidden activations, which none and save_dots (a product's output)
+    keep: fewer temporaries than either by more than half the blocks' hidden activations. (A v2 core's compiler
+    counts these temporaries from a few MiB; a v5e's counted none short of sixteen blocks of 16 MiB, minutes of
+    compiling.)"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxport import runtime
+
+    N, D, F, layers = 1024, 128, 512, 8
+    devices = compile_for.topology_devices(topologies.parse_slice("v2-8"))
+    whole = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec())
+    x = jax.ShapeDtypeStruct((N, D), jnp.float32, sharding=whole)
+    w = jax.ShapeDtypeStruct((layers, 2, D, F), jnp.float32, sharding=whole)
+
+    def loss(w, x):
+        for i in range(layers):
+            x = runtime.remat_block(lambda x, i=i: x + jnp.tanh(x @ w[i, 0]) @ w[i, 1].T)(x)
+        return jnp.sum(x**2)
+
+    def temporaries(remat):
+        gradient = runtime.jit(jax.grad(loss), dataclasses.replace(runtime.for_devices(devices), remat=remat))
+        return gradient.lower(w, x).compile().memory_analysis().temp_size_in_bytes
+
+    kept, recomputed, dots = (temporaries(remat) for remat in ("none", "block", "save_dots"))
+    hidden = N * F * 4  # one block's, float32
+    assert recomputed <= min(kept, dots) - layers // 2 * hidden, (recomputed, kept, dots, hidden)
+
+
+@needs_libtpu
 def test_tpus_that_run_mosaic_kernels_attend_through_the_splash_kernel():
     """A v5e's runtime chooses Pallas's splash kernel, a v2's and a v3's XLA's ops (and the report says why); GPT's
     training step for a v5e calls the kernel (a Mosaic custom call) on each device's rows."""
@@ -284,14 +408,15 @@ def test_gpt_fsdp_moves_the_weights_not_the_batch(tmp_path):
 @needs_libtpu
 def test_a_program_too_large_names_the_mesh_that_fits(tmp_path):
     """2.3 GB of float32 weights, with their AdamW moments and gradients, do not fit a v2 core's 8 GiB; FSDP over the 8
-    cores does."""
+    cores does. The command prints its report, then exits with DOES_NOT_FIT (a job script's pre-flight check)."""
     proc = jaxport(
         "gpt", "train", "--compile-for", "v2-8", "--n_layer=1", "--n_head=40", "--n_embd=5120", "--block_size=64",
         "--batch_size=1", "--gradient_accumulation_steps=8", "--dataset=none", cwd=tmp_path,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == compile_for.DOES_NOT_FIT, proc.stderr[-3000:]
     (report,) = reports(proc.stdout)
     assert not report["fits"] and report["needed"] > report["hbm"], report["text"]
+    assert re.search(r"its arguments take [\d.]+ GiB per device\n", report["text"] + "\n"), report["text"]
     assert re.search(r"DOES NOT FIT with --fsdp=1; use --fsdp=(2|4|8) \([\d.]+ GiB per device\)", report["text"])
 
 

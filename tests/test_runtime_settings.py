@@ -1,6 +1,9 @@
 """The runtime settings a user can set (`--runtime NAME=VALUE,...`, a family's config): parsed with one error naming
 the bad key or value, applied to the programs jitted afterwards, printed at start-up and recorded with the run."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +30,7 @@ def test_settings_parse_from_the_command_line_later_ones_winning():
     "text, message",
     [
         ("attention=flash", "runtime: attention=flash is not one of auto, xla, causal_blocks, cudnn, splash"),
-        ("remat=full", "runtime: remat=full is not one of auto, none, attention_scores"),
+        ("remat=full", "runtime: remat=full is not one of auto, none, attention_scores, block, save_dots"),
         ("atention=xla", "runtime: unknown setting 'atention'; the settings are attention, remat, row_major_operands"),
         ("attention", "runtime: 'attention': expected NAME=VALUE pairs separated by commas"),
     ],
@@ -93,6 +96,103 @@ def test_remat_of_attention_scores_recomputes_them_in_the_backward_pass():
     for attention in ("xla", "causal_blocks"):
         runtime.configure(RuntimeSettings.parse(f"attention={attention},remat=attention_scores"))
         assert "remat2" in primitives()  # jax.checkpoint's
+
+
+# The backend's optimisation level changes how fast a program runs, not what it computes (XLA's HLO passes, remat's
+# barriers among them, run as ever); at 0 these tiny programs compile in half the CPU time.
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def with_random_params(build):
+    """The module `build()` makes, built as shapes alone (an initialiser costs a compile), its parameters normal."""
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda p: jnp.asarray(rng.normal(0.0, 0.5, p.shape), p.dtype), params)
+    return nnx.merge(graphdef, params, rest)
+
+
+def tiny_gpt():
+    from flax import nnx
+
+    from jaxport.gpt.config import GPTConfig
+    from jaxport.gpt.model import GPT
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 9)), jnp.int32)
+    config = GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    model = with_random_params(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    return model, lambda model: model.forward(tokens[:, :-1], tokens[:, 1:])[1]
+
+
+def tiny_trm():
+    from flax import nnx
+
+    from jaxport import trm
+    from jaxport.nn import rotary_cos_sin
+    from jaxport.trm.model import ReasoningModule
+
+    config = trm.TRMConfig(
+        hidden_size=16, num_heads=2, L_layers=1, vocab_size=11, num_puzzle_identifiers=1, forward_dtype="float32"
+    )
+    h, weights = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, 8, 16)), jnp.float32)
+    cos_sin = rotary_cos_sin(config.hidden_size // config.num_heads, jnp.arange(8), config.rope_theta)
+    module = with_random_params(lambda: ReasoningModule(config, nnx.Rngs(0)))  # TRM's L_level
+    return module, lambda module: jnp.sum(module(h, 0.5 * h, cos_sin) * weights)
+
+
+def tiny_dream():
+    from flax import nnx
+
+    from jaxport import dream
+
+    config = dream.DreamConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, mask_token_id=63, pad_token_id=62, eos_token_id=62, bos_token_id=62,
+    )  # fmt: skip
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 8)), jnp.int32)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(1, 8, 16)), jnp.float32)
+    model = with_random_params(lambda: dream.DreamModel(config, rngs=nnx.Rngs(0)))
+    return model, lambda model: jnp.sum(model.hidden_states(tokens) * weights)
+
+
+@functools.cache
+def tiny(family: str):
+    """A tiny model of `family` (one block, one row) and its loss: `gradients(remat)` gives the loss, its gradients
+    with respect to the model's parameters on this CPU with `remat`, and whether the compiled program holds
+    jax.checkpoint's primitive. The losses weigh the final states at random (a sum of squares after an RMSNorm hardly
+    depends on its input: its gradients would be rounding noise)."""
+    from flax import nnx
+
+    module, loss = {"gpt": tiny_gpt, "trm": tiny_trm, "dream": tiny_dream}[family]()
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    gradient = jax.value_and_grad(lambda params: loss(nnx.merge(graphdef, params, rest)))
+
+    @functools.cache
+    def gradients(remat: str):
+        with runtime.use(dataclasses.replace(runtime.for_devices(jax.devices("cpu")), remat=remat)):
+            traced = jax.jit(gradient, compiler_options=QUICK_COMPILE).trace(params)
+        checkpointed = "remat2" in {equation.primitive.name for equation in traced.jaxpr.eqns}
+        return traced.lower().compile()(params), checkpointed
+
+    return gradients
+
+
+@pytest.mark.parametrize(
+    "family, remat",
+    [("gpt", "attention_scores"), ("gpt", "block"), ("gpt", "save_dots"), ("trm", "block"), ("dream", "save_dots")],
+)
+def test_each_remat_gives_the_loss_and_gradients_of_none(family, remat):
+    """A remat value changes what the backward pass keeps, not what it computes: a tiny model's loss and gradients
+    equal those with none (float32, each family's compiled once); block and save_dots checkpoint each block
+    (`runtime.remat_block`), which none leaves as it is."""
+    (kept_loss, kept_grads), kept_checkpointed = tiny(family)("none")
+    (value, grads), checkpointed = tiny(family)(remat)
+    assert (kept_checkpointed, checkpointed) == (False, True)
+    np.testing.assert_allclose(np.asarray(value), np.asarray(kept_loss), rtol=1e-6)
+    for g, kept in zip(jax.tree.leaves(grads), jax.tree.leaves(kept_grads), strict=True):
+        scale = float(np.max(np.abs(kept)))  # float32 rounding: relative to each gradient's largest entry
+        np.testing.assert_allclose(np.asarray(g), np.asarray(kept), rtol=1e-5, atol=1e-6 * max(scale, 1.0))
 
 
 def test_the_start_up_line_prints_the_values_in_effect_once(capsys):

@@ -5,9 +5,10 @@
 Needs libtpu (`pip install 'jaxport[tpu]'`); reads no weights and no data. It writes what the commands need
 beside them in a scratch folder: the TRM datasets' `train/dataset.json` (the paper's Sudoku-Extreme and ARC-AGI-1
 sizes) and a Dream-v0-Instruct-7B folder holding only its config.json and the Qwen2 tokenizer files of
-tests/fixtures. Each command runs in its own process; the Markdown gets the command and its report. With `--doc`,
-the slice and chip tables and the reports replace what stands between that file's `<!-- generated: NAME -->` and
-`<!-- end: NAME -->` markers.
+tests/fixtures. Each command runs in its own process; the Markdown gets the command and its report (a command
+whose program does not fit exits with `DOES_NOT_FIT` after its report). With `--doc`, the slice and chip tables and
+the reports replace what stands between that file's `<!-- generated: NAME -->` and `<!-- end: NAME -->` markers;
+with `--titles` or `--only`, the reports run replace theirs there and the others stay.
 """
 
 import argparse
@@ -57,6 +58,9 @@ def commands(only: set[str]) -> list[tuple[str, list[str]]]:
                     extra = [] if accum == 40 else [f"--gradient_accumulation_steps={accum}"]
                     argv = ["gpt", "train", "train_gpt2", *flags, *extra, f"--fsdp={fsdp}", "--compile-for", tpu]
                     runs.append((f"GPT-2 {size}, {tpu}, --fsdp={fsdp}", argv))
+        for remat in ("block", "save_dots"):  # GPT-2 1.5B's block computed again, whole or but its products
+            argv = ["gpt", "train", "train_gpt2", *GPT_XL, "--fsdp=8", "--runtime", f"remat={remat}"]
+            runs.append((f"GPT-2 1.5B, v5e-8, --fsdp=8, remat={remat}", [*argv, "--compile-for", "v5e-8"]))
     if "dream" in only:
         chat = ["--prompt", "Write a Python function that checks whether a number is prime.", "--chat"]
         for tpu in ("v2-8", "v3-8", "v5e-8"):
@@ -97,6 +101,13 @@ def inputs(folder: Path) -> None:
             shutil.copy(f, dream / f.name)
 
 
+def reports_of(doc: Path) -> dict[str, str]:
+    """The reports of `doc`'s generated reports section, by title."""
+    found = re.search(r"<!-- generated: reports -->\n(.*?)<!-- end: reports -->", doc.read_text(), re.S)
+    parts = re.split(r"(?m)^(?=### )", found.group(1)) if found else []
+    return {part.splitlines()[0][4:]: part.strip() for part in parts if part.startswith("### ")}
+
+
 def fill(doc: Path, sections: dict[str, str]) -> None:
     """Replace each generated section of `doc` (between its markers) with its new text."""
     text = doc.read_text()
@@ -115,8 +126,10 @@ def main() -> int:
     parser.add_argument("--doc", default=None, help="a Markdown file whose generated sections to fill (docs/tpu.md)")
     parser.add_argument("--titles", default=None, help="only the reports whose titles hold one of these (a;b;...)")
     args = parser.parse_args()
+    from jaxport.runtime.compile_for import DOES_NOT_FIT
+
     out = Path(args.out).resolve()
-    lines = []
+    reports = {}  # title -> its Markdown
     with tempfile.TemporaryDirectory(prefix="jaxport_tpu_reports_") as tmp:
         inputs(Path(tmp))
         for title, argv in commands(set(args.only.split(","))):
@@ -124,15 +137,19 @@ def main() -> int:
                 continue
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "jaxport.cli", *argv], capture_output=True, text=True, cwd=tmp)
-            text = proc.stdout.strip() if proc.returncode == 0 else (proc.stdout + proc.stderr).strip()[-3000:]
+            reported = proc.returncode in (0, DOES_NOT_FIT)
+            text = proc.stdout.strip() if reported else (proc.stdout + proc.stderr).strip()[-3000:]
             shown = " ".join(a if " " not in a and "[" not in a else repr(a) for a in argv)
-            lines += [f"### {title}", "", "```", f"$ jaxport {shown}", text, "```", ""]
+            reports[title] = "\n".join([f"### {title}", "", "```", f"$ jaxport {shown}", text, "```"])
             print(f"{title}: exit {proc.returncode}, {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-            out.write_text("\n".join(lines))
+            out.write_text("\n\n".join(reports.values()) + "\n")
     if args.doc:
         from jaxport.runtime.topologies import chip_table, slice_table
 
-        fill(Path(args.doc), {"slices": slice_table(), "chips": chip_table(), "reports": "\n".join(lines)})
+        kept = reports_of(Path(args.doc))
+        every = [title for title, _ in commands({"trm", "gpt", "dream"})]
+        body = "\n\n".join(reports.get(title) or kept[title] for title in every if title in reports or title in kept)
+        fill(Path(args.doc), {"slices": slice_table(), "chips": chip_table(), "reports": body + "\n"})
     return 0
 
 

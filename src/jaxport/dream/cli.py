@@ -67,7 +67,8 @@ def _add_compile_for(p: argparse.ArgumentParser, what: str):
         default=None,
         metavar="SLICE",
         help=f"compile {what} for a Cloud TPU slice (v2-8, v4-8, v5e-8, v5p-64, ...) on this machine and report its "
-        f"memory per device, FLOPs, collectives and a roofline time, reading no weights (needs jaxport[tpu])",
+        f"memory per device, FLOPs, collectives and a roofline time, reading no weights (needs jaxport[tpu]); exits "
+        f"with 3 where a program does not fit",
     )
 
 
@@ -379,8 +380,7 @@ def _compile_generate(args) -> int:
         for flag, spec in _mesh_refits(devices, args.mesh, ("1,1,{n}", "1,{n},1")):
             yield flag, lambda spec=spec: build(devices, spec)
 
-    compile_for(args.compile_for, build, refits)
-    return 0
+    return compile_for(args.compile_for, build, refits)
 
 
 def _served_program(model, tokenizer, planned, flag: str, dtype: str):
@@ -427,11 +427,11 @@ def _compile_serve(args, settings) -> int:
     """`jaxport dream serve ... --compile-for SLICE`: every program the server compiles at start-up
     (`start_up_programs`: each prompt and max_tokens bucket, program setting and batch size, every block program of a
     generation, the running batch's under continuous batching), compiled for a TPU slice and reported, then what the
-    server needs holding them all."""
+    server needs holding them all; `DOES_NOT_FIT` where one program, or all of them held at once, does not fit."""
     from jaxport.dream.params import placed_abstract_model
     from jaxport.dream.serving.engine import lane_of, start_up_programs
     from jaxport.dream.serving.programs import ServedPrograms, batch_buckets
-    from jaxport.runtime.compile_for import compile_for, held_together
+    from jaxport.runtime.compile_for import compile_for
 
     config, tokenizer = _serve_config(args)
     plan = start_up_programs(
@@ -449,8 +449,7 @@ def _compile_serve(args, settings) -> int:
         for flag, spec in _mesh_refits(devices, args.mesh, ("1,1,{n}", "1,{n},1")):
             yield flag, lambda spec=spec: build(devices, spec)
 
-    print(held_together("the server", compile_for(args.compile_for, build, refits)), flush=True)
-    return 0
+    return compile_for(args.compile_for, build, refits, holder="the server")
 
 
 def _compile_train(cfg, slice_name: str) -> int:
@@ -476,8 +475,7 @@ def _compile_train(cfg, slice_name: str) -> int:
         for flag, spec in _mesh_refits(devices, cfg.mesh, tuple(layouts)):
             yield flag, lambda spec=spec: build(devices, spec)
 
-    compile_for(slice_name, build, refits)
-    return 0
+    return compile_for(slice_name, build, refits)
 
 
 def train(args) -> int:

@@ -98,7 +98,7 @@ class DreamModel(nnx.Module):
         x_BND, cos_sin = self._embed(input_ids_BN, position_ids_BN, cos_sin)
         *layers, last = self.layers
         for layer in layers:
-            x_BND, _ = layer(x_BND, cos_sin, mask)
+            x_BND = runtime.remat_block(lambda x, layer=layer: layer(x, cos_sin, mask)[0])(x_BND)
         return lambda rows_BQ: self.norm(last(x_BND, cos_sin, mask, rows=rows_BQ)[0])
 
     def rotary_tables(self, position_ids_BS):
@@ -123,8 +123,10 @@ class DreamModel(nnx.Module):
         states, new_cache = [x_BSD], []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            cached = None if kv_cache is None else kv_cache[i]
-            x_BSD, kv = layer(x_BSD, cos_sin, mask, cached, cache_index, rows=rows if i == last else None)
+            cached, layer_rows = None if kv_cache is None else kv_cache[i], rows if i == last else None
+            x_BSD, kv = runtime.remat_block(
+                lambda x, layer=layer, c=cached, r=layer_rows: layer(x, cos_sin, mask, c, cache_index, rows=r)
+            )(x_BSD)
             states.append(x_BSD)
             new_cache.append(kv)
         return self.norm(x_BSD), states, new_cache

@@ -77,7 +77,8 @@ def train_main(argv: list[str]) -> int:
         usage = (
             "usage: jaxport gpt train [CONFIG ...] [--key=value ...] [--compile-for SLICE]\n\n--compile-for SLICE "
             "compiles the run's iteration for a Cloud TPU slice (v5e-8, v5p-64, ...) on this machine and reports\n"
-            "its memory per device, FLOPs, collectives and a roofline step time (needs jaxport[tpu]).\n\n"
+            "its memory per device, FLOPs, collectives and a roofline step time (needs jaxport[tpu]); it exits with 3\n"
+            "where the iteration does not fit.\n\n"
             "flags and defaults:"
         )
         print(_flags_help(usage, defaults))
@@ -133,8 +134,7 @@ def compile_train(cfg: dict, slice_name: str) -> int:
             )
             batch, accum = batch // 2, accum * 2
 
-    compile_for(slice_name, build, refits)
-    return 0
+    return compile_for(slice_name, build, refits)
 
 
 def export_main(argv: list[str]) -> int:

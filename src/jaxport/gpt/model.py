@@ -151,13 +151,14 @@ class GPT(nnx.Module):
             return self.ln_f(x), None
         new_cache = []
         for i, block in enumerate(self.h):
-            x, layer_cache = block(x, rngs[i], None if cache is None else cache[i], pos)
+            layer_cache = None if cache is None else cache[i]
+            x, layer_cache = runtime.remat_block(lambda x, b=block, i=i, c=layer_cache: b(x, rngs[i], c, pos))(x)
             new_cache.append(layer_cache)
         return self.ln_f(x), (new_cache if cache is not None else None)
 
     def _blocks(self, x_BTC):
         for block in self.h:
-            x_BTC, _ = block(x_BTC)
+            x_BTC = runtime.remat_block(lambda x, b=block: b(x)[0])(x_BTC)
         return x_BTC
 
     def lm_head(self, x_BTC):

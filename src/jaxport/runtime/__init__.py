@@ -3,7 +3,7 @@ attention kernel, row chunks, host memory), decided from the devices, compute dt
 applied where each program is jitted. Models and layers describe the math; they read the decisions from
 `current()` while a program is traced; each decision is a setting a user can override (`settings.py`). Beside the
 policy: the process's compiled programs (`compile_cache`: kept on disk for the next run; `compile_seconds`: the time
-spent compiling them) and `compile_for` (`--compile-for SLICE`)."""
+spent compiling them) and `compile_for` with `hlo` (`--compile-for SLICE`)."""
 
 from jaxport.runtime import host_memory
 from jaxport.runtime.policy import (
@@ -17,6 +17,7 @@ from jaxport.runtime.policy import (
     jit_once,
     jit_training_step,
     per_device,
+    remat_block,
     runs_per_device,
     use,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "jit_once",
     "jit_training_step",
     "per_device",
+    "remat_block",
     "runs_per_device",
     "start",
     "take_settings",

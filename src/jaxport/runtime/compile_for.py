@@ -8,7 +8,9 @@ per device: the memory XLA plans (arguments, outputs, temporaries, generated cod
 FLOPs and HBM bytes of XLA's cost analysis, the collectives of the partitioned program (kind, count, bytes), and a
 roofline estimate of the step time from the chip's datasheet figures (`jaxport.runtime.topologies`). Where the
 program does not fit, one line names a mesh (or batch) that does, compiled to check. A command that keeps several
-programs (a server's start-up set) ends with what they need held at once (`held_together`).
+programs (a server's start-up set) ends with what they need held at once (`held_together`). A command whose
+program, or whose programs held at once, do not fit exits with `DOES_NOT_FIT` after its reports: a job script's
+pre-flight check.
 
 The programs are jitted under the runtime of the slice's devices (`jaxport.runtime.for_devices`), so the models
 choose their layouts and attention for the target, not for this CPU.
@@ -25,7 +27,6 @@ import os
 import re
 import sys
 import tempfile
-from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
 import jax
@@ -35,10 +36,12 @@ from jax.sharding import Mesh
 from jaxport.errors import JaxportError
 from jaxport.runtime import policy
 from jaxport.runtime.compile_seconds import with_compile_seconds
+from jaxport.runtime.hlo import Collective, HloSummary, read_hlo
 from jaxport.runtime.topologies import GiB, Slice, parse_slice
 
 INSTALL = "pip install 'jaxport[tpu]'"
 MAX_REFITS = 4  # other meshes compiled to find one that fits
+DOES_NOT_FIT = 3  # the exit status of a command one of whose programs does not fit (errors exit with 1)
 
 
 @dataclasses.dataclass
@@ -55,14 +58,6 @@ class Program:
 
 
 @dataclasses.dataclass
-class Collective:
-    kind: str
-    count: int
-    bytes: int  # per device, summed over the calls
-    traffic: float  # bytes each device sends over its links (ring algorithms), summed
-
-
-@dataclasses.dataclass
 class Report:
     slice: Slice
     program: Program
@@ -76,6 +71,8 @@ class Report:
     refused: str | None = None  # XLA:TPU's words, when it refused to compile the program for want of HBM
     tried: list[str] = dataclasses.field(default_factory=list)  # the alternatives compiled, none fitting
     attention: str = ""  # the runtime's attention choice for the program's devices
+    remat: str = ""  # the runtime's remat choice for the program's devices
+    argument_bytes: int = 0  # per device, the program's abstract arguments (`argument_bytes`)
     compile_seconds: float = 0.0  # JAX's tracing, lowering and compiling of the program (`compile_seconds`)
 
     @property
@@ -191,6 +188,13 @@ def topology_devices(tpu: Slice) -> list:
     return devices
 
 
+def argument_bytes(args) -> int:
+    """Bytes per device of a program's abstract arguments (`jax.ShapeDtypeStruct`s with shardings; static
+    arguments hold none): each array's shard."""
+    leaves = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None]
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
 def abstract(tree, shardings):
     """`tree`'s arrays as `jax.ShapeDtypeStruct`s placed by `shardings` (a tree of the same structure, or one
     sharding for every array): a step's arguments without their values."""
@@ -199,196 +203,7 @@ def abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
 
 
-# -- reading the compiled program
-
-
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-DTYPE_BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16})
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
-_CALLED = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation|branch_computations|"
-    r"called_computations|async_execution_thread)=\{?([^}]*?)\}?(?:,\s|$)"
-)
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-def _arrays_bytes(text: str) -> list[int]:
-    return [
-        DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-        for dtype, dims in _ARRAY.findall(text)
-        if dtype in DTYPE_BYTES
-    ]
-
-
-def _group_size(line: str, devices: int) -> int:
-    """Devices in each of a collective's groups, from any of the forms XLA prints them in."""
-    found = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if found:
-        return len(found.group(1).split(","))
-    found = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)  # iota: [groups, size]<=[devices]
-    if found:
-        return int(found.group(2))
-    found = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)  # mesh['a'=4,'b'=2] {'a'}
-    if found:
-        sizes = {axis: int(n) for axis, n in re.findall(r"'([^']+)'=(\d+)", found.group(1))}
-        return math.prod(sizes.get(axis, 1) for axis in re.findall(r"'([^']+)'", found.group(2)))
-    return devices
-
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-# instructions that move no data of their own (views, bookkeeping, the control flow whose bodies are counted apart)
-NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call"}
-NO_TRAFFIC |= {"after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "all-reduce-done"}
-NO_TRAFFIC |= {"all-gather-done", "collective-permute-done", "async-done", "async-update"}
-
-
-@dataclasses.dataclass
-class Instruction:
-    name: str
-    shape: str  # the result's shape text, e.g. "bf16[8,128]{1,0}" or a tuple
-    opcode: str
-    operands: list[str]
-    line: str
-
-
-@dataclasses.dataclass
-class HloSummary:
-    """What a compiled module does per device, loops counted: its collectives, the trip counts of its loops, the
-    matrix-product FLOPs of every loop iteration after the first (XLA's cost analysis takes a loop's body once), and
-    how much more HBM traffic those iterations add, as a share of the traffic of the program taken once (each
-    top-level instruction reading its operands and writing its result: a rough model, used for the share only)."""
-
-    collectives: list[Collective]
-    loops: list[int | None]
-    extra_flops: float
-    extra_traffic_share: float
-
-
-def parse_module(text: str) -> tuple[dict[str, list[Instruction]], list[str], str | None]:
-    """(computation name -> its instructions, the names in text order, the entry's name) of HLO text."""
-    computations, order, entry, current = {}, [], None, None
-    for line in text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            head = line.split("(")[0].split()
-            current = head[-1].lstrip("%") if head else None
-            computations[current] = []
-            order.append(current)
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        found = _INSTRUCTION.match(line) if current is not None else None
-        if found:
-            name, shape, opcode, rest = found.groups()
-            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-            computations[current].append(Instruction(name, shape, opcode, operands, line))
-    return computations, order, entry
-
-
-def _trip_count(line: str, computations: dict[str, list[Instruction]]) -> int | None:
-    """A while loop's trip count: XLA's own where it states one, else read from a condition that compares a
-    counter (from 0, as jax's loops count) with a constant."""
-    trip = _TRIP.search(line)
-    if trip:
-        return int(trip.group(1))
-    condition = re.search(r"condition=%?([\w.\-]+)", line)
-    body = computations.get(condition.group(1), []) if condition else []
-    constants = [
-        int(found.group(1))
-        for i in body
-        if i.opcode == "constant" and i.shape.startswith("s32[]") and (found := re.search(r"constant\((\d+)\)", i.line))
-    ]
-    compares = [i for i in body if i.opcode == "compare" and "direction=LT" in i.line]
-    return constants[0] if len(constants) == 1 and len(compares) == 1 else None
-
-
-def _dims(shape: str) -> list[int]:
-    found = _ARRAY.search(shape)
-    return [int(d) for d in found.group(2).split(",") if d] if found else []
-
-
-def _product_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
-    """2 x output elements x contracted size of a dot, or of a convolution (XLA:TPU writes products as 1x1 ones)."""
-    out = math.prod(_dims(instruction.shape))
-    if instruction.opcode == "dot":
-        lhs = _dims(shapes.get(instruction.operands[0], ""))
-        found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.line)
-        contracted = [int(d) for d in found.group(1).split(",") if d] if found else []
-        return 2.0 * out * math.prod(lhs[d] for d in contracted if d < len(lhs))
-    labels = re.search(r"dim_labels=([^_]+)_([^-]+)->", instruction.line)
-    if not labels or len(instruction.operands) < 2:
-        return 0.0
-    lhs, rhs = (_dims(shapes.get(o, "")) for o in instruction.operands[:2])
-    lhs_labels, rhs_labels = labels.groups()
-    if len(lhs_labels) != len(lhs) or len(rhs_labels) != len(rhs):
-        return 0.0
-    window = [rhs[i] for i, label in enumerate(rhs_labels) if label.isdigit()]
-    dilated = re.search(r"lhs_dilate=([\dx]+)", instruction.line)  # batch dims written as dilated windows
-    if dilated:
-        window = [-(-w // int(d)) for w, d in zip(window, dilated.group(1).split("x"))]
-    groups = re.search(r"feature_group_count=(\d+)", instruction.line)
-    taps = math.prod(window) / (int(groups.group(1)) if groups else 1)
-    return 2.0 * out * lhs[lhs_labels.index("f")] * taps
-
-
-def read_hlo(text: str, devices: int) -> HloSummary:
-    """Read a compiled (partitioned, per-device) HLO module: each computation's calls weighted by the trip counts of
-    the loops around it (`weight`) and by one per loop (`once`, as XLA's cost analysis counts)."""
-    computations, order, entry = parse_module(text)
-    weight, once, control = defaultdict(int), defaultdict(int), {entry}
-    weight[entry] = once[entry] = 1
-    loops = []
-    for name in reversed(order):  # callers follow their callees in HLO text: walk from the entry down
-        for instruction in computations[name]:
-            trip = _trip_count(instruction.line, computations) if instruction.opcode == "while" else None
-            if instruction.opcode == "while":
-                loops.append(trip)
-            for key, called in _CALLED.findall(instruction.line):
-                times = trip if (key == "body" and trip) else 1
-                for callee in re.findall(r"%?([\w.\-]+)", called):
-                    weight[callee] += weight[name] * times
-                    once[callee] += once[name]
-                    if instruction.opcode in ("while", "conditional", "call"):
-                        control.add(callee)
-    calls, sizes, traffic = Counter(), Counter(), Counter()
-    extra_flops = extra_traffic = traffic_once = 0.0
-    for name, instructions in computations.items():
-        if weight[name] == 0:
-            continue
-        shapes = {i.name: i.shape for i in instructions}
-        repeats = weight[name] - once[name]
-        for instruction in instructions:
-            if repeats and instruction.opcode in ("dot", "convolution"):
-                extra_flops += repeats * _product_flops(instruction, shapes)
-            if name in control and instruction.opcode not in NO_TRAFFIC:
-                moved = sum(_arrays_bytes(instruction.shape)) + sum(
-                    sum(_arrays_bytes(shapes.get(o, ""))) for o in instruction.operands
-                )
-                traffic_once += once[name] * moved
-                extra_traffic += repeats * moved
-            found = _OP.search(" " + instruction.opcode + "(")
-            if not found:
-                continue
-            kind, start = found.group(1), found.group(2)
-            arrays = _arrays_bytes(instruction.shape)
-            if not arrays:
-                continue
-            # an async start returns (operands, results, ...): count the results' half
-            size = sum(arrays[len(arrays) // 2 :]) if start and kind != "all-reduce" else sum(arrays)
-            n = _group_size(instruction.line, devices)
-            moved = {
-                "all-reduce": 2 * (n - 1) / n * size,
-                "all-gather": (n - 1) / n * size,
-                "reduce-scatter": (n - 1) * size,
-                "all-to-all": (n - 1) / n * size,
-                "collective-permute": size,
-            }[kind]
-            calls[kind] += weight[name]
-            sizes[kind] += weight[name] * size
-            traffic[kind] += weight[name] * moved
-    collectives = [Collective(kind, calls[kind], sizes[kind], traffic[kind]) for kind in COLLECTIVES if calls[kind]]
-    return HloSummary(collectives, loops, extra_flops, extra_traffic / traffic_once if traffic_once else 0.0)
+# -- compiling the program
 
 
 _OOM = (  # XLA:TPU's two ways of saying a program needs more than the HBM: (needed, size, unit) groups
@@ -401,7 +216,9 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def analyse(tpu: Slice, program: Program) -> Report:
     """Compile `program` for the slice and read what it needs. A program past the HBM is reported, not raised:
     XLA's TPU compiler refuses it, saying how much it needed."""
-    report = Report(tpu, program, libtpu_version() or "?", attention=policy.for_devices(program.mesh).attention)
+    chosen = policy.for_devices(program.mesh)
+    report = Report(tpu, program, libtpu_version() or "?", attention=chosen.attention, remat=chosen.remat)
+    report.argument_bytes = argument_bytes(program.args)
     lowered, report.compile_seconds = with_compile_seconds(lambda: program.jitted.lower(*program.args))
     try:
         compiled, seconds = with_compile_seconds(lowered.compile)
@@ -464,6 +281,37 @@ def attention_line(attention: str, chip: str) -> str:
     return f"{attention} (--runtime attention={attention})"
 
 
+REMAT_LINES = {  # what the backward pass of a step computes again under each `Runtime.remat`
+    "none": "none: the backward pass keeps every activation it reads",
+    "attention_scores": "attention_scores: the backward pass computes each attention's scores again (q, k, v kept)",
+    "block": "block: the backward pass computes each transformer block again from its input",
+    "save_dots": "save_dots: the backward pass computes each transformer block again but its products with weights",
+}
+
+
+def remat_line(remat: str) -> str:
+    """What the report says of the program's remat (`Runtime.remat`)."""
+    return f"{REMAT_LINES[remat]} (--runtime remat={'|'.join(REMAT_LINES)})"
+
+
+def flops_line(report: Report) -> str:
+    """What the report says of the program's FLOPs: per device, as XLA counts them with the loops' further
+    iterations added, and over the mesh."""
+    known = [n for n in report.hlo.loops if n is not None and n != 1]
+    unknown = sum(n is None for n in report.hlo.loops)
+    text = f"{count(report.total_flops, 'FLOP')} per device per call"
+    if known or unknown:
+        text += f" (XLA's count, {count(report.flops, 'FLOP')}, takes each loop's body once"
+        if known:
+            lengths = ", ".join(map(str, known))
+            text += f"; the matrix products of the other iterations of its loop(s) of {lengths} iterations added"
+        text += f"; {unknown} loop(s) of unknown length counted once: a bound from below)" if unknown else ")"
+    else:
+        text += " (XLA's count)"
+    devices = report.program.mesh.devices.size
+    return f"{text}; {count(report.total_flops * devices, 'FLOP')} over the mesh's {devices} devices"
+
+
 def format_report(report: Report) -> str:
     tpu, chip, program = report.slice, report.slice.chip, report.program
     mesh = " ".join(f"{axis}={n}" for axis, n in program.mesh.shape.items())
@@ -475,6 +323,8 @@ def format_report(report: Report) -> str:
     lines += [f"  note         {note}" for note in program.notes]
     if report.attention:
         lines.append(f"  attention    {attention_line(report.attention, chip.name)}")
+    if report.remat:
+        lines.append(f"  remat        {remat_line(report.remat)}")
     if report.fits:
         verdict = f"fits ({report.needed / report.hbm:.0%})"
     else:
@@ -494,6 +344,9 @@ def format_report(report: Report) -> str:
         )
     if report.refused:
         lines.append(f"  memory       XLA's TPU compiler refuses it: {report.refused}")
+        if report.argument_bytes:
+            beyond = ", more than the HBM by themselves" if report.argument_bytes > report.hbm else ""
+            lines.append(f"               its arguments take {size(report.argument_bytes)} per device{beyond}")
     lines.append(
         f"               needs {'at least ' if report.refused else ''}{size(report.needed)} per device of a "
         f"{chip.name} device's {size(report.hbm)} HBM: {verdict}"
@@ -501,21 +354,7 @@ def format_report(report: Report) -> str:
     if report.memory:
         lines.append(f"  compiling    {report.compile_seconds:.1f} s on this CPU (tracing, lowering, XLA:TPU)")
     if report.flops:
-        known = [n for n in report.hlo.loops if n is not None and n != 1]
-        unknown = sum(n is None for n in report.hlo.loops)
-        text = f"{count(report.total_flops, 'FLOP')} per device per call"
-        if known or unknown:
-            text += f" (XLA's count, {count(report.flops, 'FLOP')}, takes each loop's body once"
-            if known:
-                lengths = ", ".join(map(str, known))
-                text += f"; the matrix products of the other iterations of its loop(s) of {lengths} iterations added"
-            text += f"; {unknown} loop(s) of unknown length counted once: a bound from below)" if unknown else ")"
-        else:
-            text += " (XLA's count)"
-        devices = program.mesh.devices.size
-        lines.append(
-            f"  FLOPs        {text}; {count(report.total_flops * devices, 'FLOP')} over the mesh's {devices} devices"
-        )
+        lines.append(f"  FLOPs        {flops_line(report)}")
     if report.memory is not None:
         lines.append(
             "  collectives  "
@@ -546,26 +385,27 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
-def held_together(holder: str, reports: list[Report]) -> str:
+def held_together(holder: str, reports: list[Report]) -> tuple[str, bool]:
     """What `holder`, a process that keeps every program of `reports` compiled and runs one at a time over the same
     weights (a server's start-up set), needs per device: the largest call's arguments, outputs and temporaries,
-    and the code of them all. A program XLA refused counts with what it needed at least."""
+    and the code of them all; the lines that say so and whether it fits. A program XLA refused counts with what it
+    needed at least, and does not fit."""
     if not reports:
-        return f"{holder}: no programs"
+        return f"{holder}: no programs", True
     code = sum(report.memory["code"] for report in reports if report.memory)
     call = max(report.needed - (report.memory["code"] if report.memory else 0) for report in reports)
     needed, first = call + code, reports[0]
     refused = any(report.refused for report in reports)
-    verdict = f"fits ({needed / first.hbm:.0%})" if not refused and needed <= first.hbm else "DOES NOT FIT"
-    return "\n".join(
-        [
-            f"{holder}: its {len(reports)} programs held at once, one running at a time over the same weights",
-            f"  memory       per device: the largest call's arguments, outputs and temporaries {size(call)}, the code "
-            f"of all {len(reports)} programs {size(code)}",
-            f"               needs {'at least ' if refused else ''}{size(needed)} per device of a "
-            f"{first.slice.chip.name} device's {size(first.hbm)} HBM: {verdict}",
-        ]
-    )
+    fits = not refused and needed <= first.hbm
+    verdict = f"fits ({needed / first.hbm:.0%})" if fits else "DOES NOT FIT"
+    lines = [
+        f"{holder}: its {len(reports)} programs held at once, one running at a time over the same weights",
+        f"  memory       per device: the largest call's arguments, outputs and temporaries {size(call)}, the code "
+        f"of all {len(reports)} programs {size(code)}",
+        f"               needs {'at least ' if refused else ''}{size(needed)} per device of a "
+        f"{first.slice.chip.name} device's {size(first.hbm)} HBM: {verdict}",
+    ]
+    return "\n".join(lines), fits
 
 
 def compile_for(
@@ -573,12 +413,15 @@ def compile_for(
     build: Callable[[list], list[Program]],
     refits: Callable[[list], Iterable[tuple[str, Callable[[], list[Program]]]]] | None = None,
     out=None,
-) -> list[Report]:
-    """Compile the programs `build(devices)` returns for the slice `slice_name` and print a report for each.
+    holder: str | None = None,
+) -> int:
+    """Compile the programs `build(devices)` returns for the slice `slice_name`, print a report for each and return
+    the command's exit status: 0 where every program fits, `DOES_NOT_FIT` where one does not.
 
     `refits(devices)` yields `(flag, build)` alternatives in the order a user should prefer them (another mesh, a
     smaller batch); for a program that does not fit, up to `MAX_REFITS` of them are compiled and the first whose
-    program of the same place fits is named in its report."""
+    program of the same place fits is named in its report. A `holder` (a server) keeps every program compiled at
+    once: what they need together is printed last (`held_together`), and must fit too."""
     out = out or sys.stdout
     tpu = parse_slice(slice_name)
     # compile-only programs are no use in the on-disk cache of compiled programs
@@ -600,4 +443,9 @@ def compile_for(
                 report.tried.append(flag)
         print(format_report(report), file=out, flush=True)
         reports.append(report)
-    return reports
+    fits = all(report.fits for report in reports)
+    if holder is not None:
+        text, held_fits = held_together(holder, reports)
+        print(text, file=out, flush=True)
+        fits = fits and held_fits
+    return 0 if fits else DOES_NOT_FIT

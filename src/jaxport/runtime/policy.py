@@ -33,8 +33,9 @@ class Runtime:
       `MOSAIC_CHIPS`; elsewhere Pallas's interpreter runs it: tests); "cudnn" tries cuDNN's fused kernel for 16-bit
       attention without mask or dropout (GPUs); "causal_blocks" computes causal self-attention in blocks of queries
       (CPUs: "Attention on the CPU"); "xla" is one masked product.
-    - `remat`: "attention_scores" has the backward pass compute each layer's `[B, H, S, T]` scores again instead of
-      keeping them (TPUs: docs/tpu.md); "none" keeps them.
+    - `remat`: what the backward pass computes again instead of keeping. "attention_scores": each layer's
+      `[B, H, S, T]` scores (TPUs: docs/tpu.md); "block": each transformer block, from its input alone;
+      "save_dots": each block but its products with weights (`remat_block`); "none" keeps everything.
     - `row_major_operands`: reduced-precision operands that are transposed before a product are written out
       row-major, and weight gradients take the orientation XLA:CPU runs faster (CPUs: "Operand layouts").
     - `split_rows`: models compute independent rows in `row_chunks` chunks (CPUs: "Row chunks").
@@ -115,6 +116,23 @@ def for_devices(devices=None) -> Runtime:
     chosen = _with_settings(automatic, settings.chosen())
     settings.announce_once(lambda: effective_settings_of(chosen))
     return chosen
+
+
+# What the backward pass keeps of a whole transformer block under each `remat` (jax.checkpoint's policies): nothing
+# but its input, or also the products with weights (no batch dimensions: the attention's own products are computed
+# again). The other values leave blocks whole; attention_scores checkpoints the attention alone (`nn.attention`).
+BLOCK_REMAT_POLICIES = {
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_block(block_of_input):
+    """`block_of_input` (a transformer block applied to its input: arrays in, arrays out; anything else it reads
+    closed over) as the program's runtime (`current()`) has the backward pass treat it: under `jax.checkpoint` with
+    the policy of `BLOCK_REMAT_POLICIES` for its `remat`, else as it is. A forward pass alone computes the same."""
+    policy = BLOCK_REMAT_POLICIES.get(current().remat)
+    return block_of_input if policy is None else jax.checkpoint(block_of_input, policy=policy)
 
 
 def _automatic_attention(device) -> str:

@@ -5,8 +5,9 @@ the command line (`--runtime attention=xla,remat=none`, every family) or the fam
   fused kernel where it applies), splash (Pallas's splash-attention kernel where it applies: TPUs v4 and later;
   elsewhere Pallas's interpreter runs it, for tests); auto: causal_blocks on CPUs, cudnn on GPUs, splash on TPUs
   v4, v5e, v5p and v6e, xla elsewhere.
-- `remat`: what the backward pass computes again instead of keeping: none, attention_scores (each layer's
-  `[B, H, S, T]` scores); auto: attention_scores on TPUs, none elsewhere.
+- `remat`: what the backward pass computes again instead of keeping: none; attention_scores (each layer's
+  `[B, H, S, T]` scores); block (each transformer block, from its input alone); save_dots (each block but its
+  products with weights); auto: attention_scores on TPUs, none elsewhere.
 - `row_major_operands`, `head_in_out`, `split_rows`: on or off (`policy.Runtime` says what each does); auto: on on
   CPUs, off elsewhere.
 - `host_memory`: training (glibc keeps freed memory, a training step's temporaries stay in the heap), serving (glibc
@@ -28,7 +29,7 @@ from jaxport.runtime import host_memory
 SWITCH = ("auto", "on", "off")
 CHOICES = {
     "attention": ("auto", "xla", "causal_blocks", "cudnn", "splash"),
-    "remat": ("auto", "none", "attention_scores"),
+    "remat": ("auto", "none", "attention_scores", "block", "save_dots"),
     "row_major_operands": SWITCH,
     "head_in_out": SWITCH,
     "split_rows": SWITCH,

@@ -14,7 +14,8 @@ ACTIONS = """actions:
   train [key=value ...]     upstream pretrain.py overrides, e.g. arch=trm data_paths="[data/x]" lr=1e-4
                             arch.L_layers=2 +run_name=NAME ema=True; --compile-for SLICE compiles the
                             run's step for a Cloud TPU slice (v4-8, v4-64, ...) on this machine and
-                            reports its memory, FLOPs and collectives (needs jaxport[tpu])
+                            reports its memory, FLOPs and collectives (needs jaxport[tpu]); exits
+                            with 3 where it does not fit
   eval --run DIR            evaluate a run's latest checkpoint (or --checkpoint step_N --config all_config.yaml)
 
 train, demo and eval take runtime.NAME=VALUE overrides (runtime.attention=xla runtime.remat=none) or, like every
@@ -104,8 +105,7 @@ def _compile_train(config, slice_name: str) -> int:
             yield f"global_batch_size={batch}", lambda batch=batch: build(devices, batch)
             batch //= 2
 
-    compile_for(slice_name, build, refits)
-    return 0
+    return compile_for(slice_name, build, refits)
 
 
 def _eval(argv):

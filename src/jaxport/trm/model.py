@@ -93,7 +93,7 @@ class ReasoningModule(nnx.Module):
     def __call__(self, h, injection, cos_sin):
         h = h + injection
         for layer in self.layers:
-            h = layer(h, cos_sin)
+            h = runtime.remat_block(lambda h, layer=layer: layer(h, cos_sin))(h)
         return h
 
 
