@@ -279,8 +279,7 @@ def _serve_config(args):
             f"--random-init {args.random_init}: its {config.vocab_size}-token vocabulary cannot "
             f"hold the {tokens.vocab_size} tokens of {args.model}"
         )
-    ids = ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id")
-    config = dataclasses.replace(config, **{name: getattr(tokens, name) for name in ids})
+    config = config.with_token_ids_of(tokens)
     return config, dream.DreamTokenizer.from_model_dir(args.model, config)
 
 
