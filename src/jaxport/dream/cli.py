@@ -663,10 +663,10 @@ def _add_serve(actions):
     )
     srv.add_argument(
         "--batching",
-        default="static",
+        default="continuous",
         choices=("static", "continuous"),
-        help="static: a batch runs to the end of its longest row; continuous: block-wise requests with the dual "
-        "cache join and leave a running batch at block boundaries (the others keep static batching)",
+        help="continuous (default): block-wise requests with the dual cache join and leave a running batch at block "
+        "boundaries, the others keep static batching; static: a batch runs to the end of its longest row",
     )
     srv.add_argument(
         "--schedule-delay-factor",
