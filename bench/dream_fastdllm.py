@@ -5,6 +5,11 @@ peak. `bench/compare.py --only fastdllm` runs it beside `../shared/originals/ben
 
     python bench/dream_fastdllm.py prepare task DIR [--prompts 64]     # DIR/prompts.jsonl: held-out task prompts
     python bench/dream_fastdllm.py prepare 40m DIR [--prompts 4]       # DIR/model (random weights), DIR/prompts.jsonl
+
+`prepare 40m` (or `tiny`) writes the preset's layers with the fixture tokenizer's special ids and a tokenizer that
+gives every other id a text of its own (`write_benchmark_tokenizer`): `jaxport dream serve --model DIR/model` serves
+the same weights, and its replies name their token ids.
+
     python bench/dream_fastdllm.py run --model DIR --prompt-ids FILE --max-new-tokens 128 --steps 128 \
         --block-length 32 --dual-cache --alg confidence_threshold --threshold 0.9 --batches 1,8 --runs 3
 
@@ -19,6 +24,7 @@ tokens differ from Fast-dLLM's.
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -34,7 +40,22 @@ from jaxport.dream.fast import NEAR_TIE, decision_margins
 from jaxport.dream.params import load_model, save_pretrained
 from jaxport.dream.settings import fastdllm_settings
 
-TASK_MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "dream" / "task_model"
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "dream"
+TASK_MODEL = FIXTURES / "task_model"
+TOKENIZER = FIXTURES / "tiny_bf16" / "model"  # the tokenizer of the random-weight models `prepare` writes
+
+
+def write_benchmark_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """The fixture tokenizer (400 byte-level BPE tokens, Dream's 24 added ones) with a token for every further id
+    below `vocab_size` that decodes to its own text (" #ID"; no merge makes one): a server's reply then names every
+    token id it holds, so its text compares with the detokenised ids of another implementation."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(TOKENIZER / name, model_dir / name)
+    spec = json.loads((TOKENIZER / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab.update({token["content"]: token["id"] for token in spec["added_tokens"]})  # else renumbered past the vocab
+    vocab.update({f"\u0120#{i}": i for i in range(len(vocab), vocab_size)})  # \u0120: a space
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
 
 
 def prepare(args):
@@ -45,9 +66,10 @@ def prepare(args):
 
         tokenizer = dream.DreamTokenizer.from_model_dir(TASK_MODEL, dream.DreamConfig.from_model_dir(TASK_MODEL))
         rows = [tokenizer.encode(p.prompt) for p in tasks.demo_test_problems(args.prompts)]
-    else:  # the 40M config with random weights, written once so both sides read the same ones
-        config = dream.preset(args.what)
+    else:  # the preset's random weights, written once so both sides read the same ones, served with a tokenizer
+        config = dream.preset(args.what).with_token_ids_of(dream.DreamConfig.from_model_dir(TOKENIZER))
         save_pretrained(dream.random_model(config, seed=0), out / "model")
+        write_benchmark_tokenizer(out / "model", config.vocab_size)
         low = min(config.mask_token_id, config.pad_token_id, config.eos_token_id, config.bos_token_id)
         rows = np.random.default_rng(0).integers(0, low, (args.prompts, 32)).tolist()
     (out / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -78,9 +78,9 @@ def _programs(*settings: dict) -> list[str]:
     return [a for s in settings for a in ("--program", ",".join(f"{k}={v}" for k, v in s.items()))]
 
 
-# one prompt bucket and one canvas size: the default program, FAST and FASTDLLM at batch 1 and 2 compile at start-up,
-# and no other
-SERVED = (*SMALL, "--max-tokens-buckets", "16", *_programs(FAST, FASTDLLM))
+# one prompt bucket and one canvas size, static batching: the default program, FAST and FASTDLLM at batch 1 and 2
+# compile at start-up, and no other
+SERVED = (*SMALL, "--max-tokens-buckets", "16", "--batching", "static", *_programs(FAST, FASTDLLM))
 
 
 @pytest.fixture(scope="module")

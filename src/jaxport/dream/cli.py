@@ -280,8 +280,7 @@ def _serve_config(args):
             f"--random-init {args.random_init}: its {config.vocab_size}-token vocabulary cannot "
             f"hold the {tokens.vocab_size} tokens of {args.model}"
         )
-    ids = ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id")
-    config = dataclasses.replace(config, **{name: getattr(tokens, name) for name in ids})
+    config = config.with_token_ids_of(tokens)
     return config, dream.DreamTokenizer.from_model_dir(args.model, config)
 
 
@@ -662,10 +661,10 @@ def _add_serve(actions):
     )
     srv.add_argument(
         "--batching",
-        default="static",
+        default="continuous",
         choices=("static", "continuous"),
-        help="static: a batch runs to the end of its longest row; continuous: block-wise requests with the dual "
-        "cache join and leave a running batch at block boundaries (the others keep static batching)",
+        help="continuous (default): block-wise requests with the dual cache join and leave a running batch at block "
+        "boundaries, the others keep static batching; static: a batch runs to the end of its longest row",
     )
     srv.add_argument(
         "--schedule-delay-factor",

@@ -30,6 +30,11 @@ class DreamConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def with_token_ids_of(self, tokens: "DreamConfig") -> "DreamConfig":
+        """These layers with the special token ids of `tokens` (the config of a tokenizer's model directory)."""
+        ids = ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id")
+        return dataclasses.replace(self, **{name: getattr(tokens, name) for name in ids})
+
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
             raise JaxportError(

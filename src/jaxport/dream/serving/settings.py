@@ -22,7 +22,8 @@ class ServeSettings:
     # more program-shaping combinations compiled at start-up, each a tuple of (name, value) pairs over the defaults
     programs: tuple = ()
     compile_on_demand: int = 0  # programs outside the start-up set compiled for requests, least recently used evicted
-    batching: str = "static"  # or "continuous": block-wise dual-cache requests join a running batch between blocks
+    # "continuous": block-wise dual-cache requests join a running batch between blocks (the others: static batching)
+    batching: str = "continuous"
     max_body_bytes: int = 1 << 20  # a longer request body gets HTTP 413
     # a batch with room waits up to this many times the last call's seconds for requests to fill it (0: never)
     schedule_delay_factor: float = 0.0
