@@ -2,9 +2,11 @@
 
 Each of `steps` denoising steps shifts the logits by one position, scores every masked position and unmasks the
 most confident ones (a count shared by the batch: its average number of masks times the schedule's ratio); the
-step loop is a `lax.fori_loop` inside one compiled program. Work avoided without changing any result: the
-vocabulary projection, the sampler and the last layer's queries and MLP run only at positions that still hold a
-mask token (packed into a few static sizes), and the scored window starts at the first position that can hold one.
+step loop is a `lax.fori_loop` inside one compiled program; with an early stop (`Program.early_stop`) a
+`lax.while_loop` that also ends once every row's text has ended (no later step changes a decided token). Work
+avoided without changing any result: the vocabulary projection, the sampler and the last layer's queries and MLP
+run only at positions that still hold a mask token (packed into a few static sizes), and the scored window starts
+at the first position that can hold one.
 """
 
 import jax
@@ -86,7 +88,14 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Pro
         return x_BN, records
 
     records = program.empty_records(settings.steps, B, N, model.dtype)
-    return jax.lax.fori_loop(0, settings.steps, body, (x_BN, records))
+    if program.early_stop is None:
+        return jax.lax.fori_loop(0, settings.steps, body, (x_BN, records))
+
+    def running(state):  # steps left, and a row whose text has not ended
+        step, (x_BN, _) = state
+        return (step < settings.steps) & ~jnp.all(program.early_stop.ended(x_BN, mask_id))
+
+    return jax.lax.while_loop(running, lambda state: (state[0] + 1, body(*state)), (jnp.int32(0), (x_BN, records)))[1]
 
 
 def exact_target(model, prepared: Prepared) -> tuple:
