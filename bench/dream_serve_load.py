@@ -47,6 +47,10 @@ PROMPTS = [
 ]
 
 
+# sampling fields of Dream's own, sent beside the OpenAI ones
+DREAM_SAMPLING = ("top_k", "alg", "alg_temp", "threshold")
+
+
 def token_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("..")
     return int(low), int(high or low)
@@ -90,12 +94,13 @@ def start_server(args, batching: str) -> tuple[subprocess.Popen, str, float]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     low, high = token_range(args.max_tokens)
+    longest_prompt = max(map(int, args.prompt_buckets.split(",")))
     command = [sys.executable, "-m", "jaxport.cli", "dream", "serve", "--model", str(args.model)]
     command += ["--served-model-name", "bench", "--dtype", args.dtype, "--port", str(port)]
     command += ["--max-batch", str(args.max_batch), "--max-queue", str(max(args.requests, args.max_batch))]
-    command += ["--prompt-buckets", str(args.prompt_bucket), "--batching", batching]
+    command += ["--prompt-buckets", args.prompt_buckets, "--batching", batching]
     command += ["--max-tokens-buckets", ",".join(map(str, buckets(low, high, args.block_length)))]
-    command += ["--max-context", str(args.prompt_bucket + high + (args.block_length or 0))]
+    command += ["--max-context", str(longest_prompt + high + (args.block_length or 0))]
     for flag in ("random_init", "block_length", "cache", "threshold", "schedule_delay_factor"):
         if getattr(args, flag) is not None:
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -125,6 +130,7 @@ def compilations(url: str) -> float:
 def send(client: openai.OpenAI, request: dict) -> dict:
     """One streamed completion: its text, tokens, latency and time to first chunk."""
     options = {k: request[k] for k in ("temperature", "top_p", "seed") if k in request}
+    dream_fields = {k: request[k] for k in DREAM_SAMPLING if k in request}
     start = time.perf_counter()
     first, text, tokens = None, [], 0
     stream = client.completions.create(
@@ -133,6 +139,7 @@ def send(client: openai.OpenAI, request: dict) -> dict:
         max_tokens=request["max_tokens"],
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=dream_fields or None,
         **options,
     )
     for chunk in stream:
@@ -200,31 +207,34 @@ def run(args, batching: str, requests: list[dict]) -> dict:
     return report
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def server_arguments(parser: argparse.ArgumentParser, log_name: str):
+    """The flags `start_server` reads (besides `requests`, which sizes the server's queue)."""
     parser.add_argument("--model", type=Path, default=TINY, help="Dream directory (with --random-init: its tokenizer)")
     parser.add_argument("--random-init", default=None, help="random weights of this size (40m, 7b)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--clients", type=int, default=16, help="most requests in flight")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: all at once)")
     parser.add_argument("--max-tokens", default="32", help="N, or LOW..HIGH drawn uniformly per request")
-    parser.add_argument("--settings", type=int, default=50, help="distinct temperature/top-p pairs (0: all greedy)")
-    parser.add_argument("--sampled-share", type=float, default=1.0, help="share of requests sampled with a seed")
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--prompt-bucket", type=int, default=32)
+    parser.add_argument("--prompt-buckets", default="32", help="the server's, e.g. 16,64")
     parser.add_argument("--block-length", type=int, default=None)
     parser.add_argument("--cache", default=None)
     parser.add_argument("--threshold", type=float, default=None)
-    parser.add_argument("--batching", default="static,continuous", help="modes run back to back")
     parser.add_argument("--schedule-delay-factor", type=float, default=None, help="the server's, in every mode")
+    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / log_name, help="server stderr prefix")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    server_arguments(parser, "dream_serve_load")
+    parser.add_argument("--clients", type=int, default=16, help="most requests in flight")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: all at once)")
+    parser.add_argument("--settings", type=int, default=50, help="distinct temperature/top-p pairs (0: all greedy)")
+    parser.add_argument("--sampled-share", type=float, default=1.0, help="share of requests sampled with a seed")
+    parser.add_argument("--batching", default="static,continuous", help="modes run back to back")
     parser.add_argument("--greedy-baseline", action="store_true", help="also run the same requests all greedy")
     parser.add_argument("--check-seeded", action="store_true", help="resend each seeded request alone and compare")
     parser.add_argument("--seed", type=int, default=0, help="of the request mix and arrivals")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 12 requests, 4 settings, 16 tokens")
-    parser.add_argument(
-        "--log", type=Path, default=Path(tempfile.gettempdir()) / "dream_serve_load", help="server stderr prefix"
-    )
     args = parser.parse_args()
     if args.quick:
         args.requests, args.settings, args.max_tokens, args.clients, args.max_batch = 12, 4, "8..16", 4, 4
@@ -245,7 +255,7 @@ def main():
                 "clients": args.clients,
                 "rate_per_s": args.rate,
                 "max_batch": args.max_batch,
-                "prompt_bucket": args.prompt_bucket,
+                "prompt_buckets": args.prompt_buckets,
                 "max_tokens": [low, high],
                 "settings_pairs": args.settings,
                 "sampled_share": args.sampled_share,

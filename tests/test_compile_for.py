@@ -412,5 +412,11 @@ def test_dream_generate_and_serve_compile_their_programs(tmp_path):
         "dream", "serve", "--model", str(model), "--max-batch", "2", "--prompt-buckets", "16",
         "--max-tokens-buckets", "32", "--compile-for", "v5e-4",
     )  # fmt: skip
-    check(proc, None)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    served = reports(proc.stdout)  # the server's program at each batch size, 1 and 2
+    assert ["of 1 row(s)" in r["text"] for r in served] == [True, False] and "of 2 row(s)" in served[1]["text"]
+    for report in served:
+        assert 0 < report["needed"] < report["hbm"] and report["fits"], report["text"]
+        assert "roofline" in report["text"] and "collectives" in report["text"]
     assert "prompt bucket 16 + 32 new tokens" in proc.stdout and "no --mesh: one device" in proc.stdout
+    assert "the server: its 2 programs held at once" in served[1]["text"]

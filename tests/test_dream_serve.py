@@ -19,6 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxport import dream
+from jaxport.errors import JaxportError
+from jaxport.runtime import compile_for
 
 MODEL = Path(__file__).parent / "fixtures" / "dream" / "tiny_bf16" / "model"
 NAME = "tiny-dream"
@@ -74,12 +76,15 @@ def _programs(*settings: dict) -> list[str]:
     return [a for s in settings for a in ("--program", ",".join(f"{k}={v}" for k, v in s.items()))]
 
 
+# one prompt bucket and one canvas size: the default program, FAST and FASTDLLM at batch 1 and 2 compile at start-up,
+# and no other
+SERVED = (*SMALL, "--max-tokens-buckets", "16", *_programs(FAST, FASTDLLM))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    # one prompt bucket and one canvas size: the default program, FAST and FASTDLLM at batch 1 and 2 compile at
-    # start-up, and no other
-    process, url = start_server(log_path, *SMALL, "--max-tokens-buckets", "16", *_programs(FAST, FASTDLLM))
+    process, url = start_server(log_path, *SERVED)
     yield url, log_path
     process.kill()
     process.wait()
@@ -272,7 +277,7 @@ def test_a_prompt_past_the_largest_bucket_is_refused_without_compiling(server):
     """A prompt longer than the largest --prompt-buckets value but within --max-context gets a 400 naming its length
     and the largest bucket: with --compile-on-demand 0 nothing compiles after start-up, whatever the request."""
     url, _ = server
-    before = metrics(url)
+    before, scraped = metrics(url), prometheus(url)
     prompt = "def add(a, b):\n    return a + b\n" * 7  # 84 tokens: past the bucket of 64, within 128 - 16
     with pytest.raises(openai.BadRequestError) as caught:
         complete(url, prompt)
@@ -281,6 +286,11 @@ def test_a_prompt_past_the_largest_bucket_is_refused_without_compiling(server):
     assert re.search(r"the prompt has 8\d tokens;.* the largest prompt bucket is 64 \(--prompt-buckets 64\)", message)
     after = metrics(url)
     assert after["compilations"] == before["compilations"] and after["compiled_programs"] == before["compiled_programs"]
+    compiled = prometheus(url)  # /metrics says so too: no compilation, the start-up set alone held
+    for label in ("start-up", "on demand"):
+        key = ("jaxport_dream_compilations_total", (("set", label),))
+        assert compiled[key] == scraped[key] == (6 if label == "start-up" else 0)
+    assert compiled[("jaxport_dream_compiled_programs", ())] == 6
 
 
 def test_malformed_json_and_unknown_route(server):
@@ -335,6 +345,85 @@ def test_prometheus_metrics(server):
     assert after[("jaxport_dream_compiled_programs", ())] == 6
     for gauge in ("queue_rows", "running_rows", "batch_occupancy"):
         assert after[(f"jaxport_dream_{gauge}", ())] == 0  # idle
+
+
+def test_the_start_up_set_is_reported_with_its_memory_mappings(server):
+    """The log and /metrics say how many programs the start-up set compiled, in how many seconds, and the memory
+    mappings they hold against vm.max_map_count."""
+    url, log_path = server
+    gauges = prometheus(url)
+    started = gauges[("jaxport_dream_start_up_programs", ())]
+    assert started == gauges[("jaxport_dream_compilations_total", (("set", "start-up"),))] == 6
+    assert gauges[("jaxport_dream_start_up_seconds", ())] > 0
+    mappings, limit = (
+        gauges[("jaxport_dream_start_up_memory_mappings", ())],
+        gauges[("jaxport_dream_memory_mappings_limit", ())],
+    )
+    assert limit == int(Path("/proc/sys/vm/max_map_count").read_text())
+    assert 0 < mappings < gauges[("jaxport_dream_memory_mappings", ())] < limit
+    line = re.search(
+        r"start-up set: 6 programs compiled in [\d.]+ s; they hold ([\d,]+) memory mappings \(the process [\d,]+ of "
+        r"vm.max_map_count ([\d,]+), \d+%\)",
+        log_path.read_text(),
+    )
+    assert line and [int(g.replace(",", "")) for g in line.groups()] == [mappings, limit]
+
+
+def test_the_start_up_mappings_are_projected_from_the_programs_after_the_first():
+    """`StartUpMappings` refuses a set whose projected mappings pass 60% of the limit, before it gets there: each
+    program to come adds the mean of those after the first (whose count holds the compiler's one-time mappings)."""
+    from jaxport.dream.serving.programs import StartUpMappings
+
+    mappings = StartUpMappings(planned=10, baseline=1000, limit=10_000)
+    mappings.check(1, 1500)
+    mappings.check(2, 2000)  # 500 per program: 2000 + 8 x 500 = 6000, 60% of the limit
+    with pytest.raises(JaxportError) as caught:
+        mappings.check(3, 2600)  # 550 per program: 2600 + 7 x 550 = 6450
+    message = str(caught.value)
+    assert message.startswith("the start-up set of 10 programs would hold about 5,450 memory mappings (1,600 after 3")
+    assert "past 60% of its limit (vm.max_map_count 10,000" in message and "\n" not in message
+    for flag in ("--prompt-buckets", "--max-tokens-buckets", "--program", "--max-batch", "--compile-on-demand"):
+        assert flag in message
+
+
+def test_a_start_up_set_past_its_share_of_memory_mappings_is_refused(monkeypatch):
+    """A server whose start-up set would take the process past 60% of vm.max_map_count stops with one line as soon as
+    the mappings show it, not at the limit: here a limit just above what the process holds before the set, so its
+    first program passes the share."""
+    from jaxport.dream.serving import programs
+    from jaxport.dream.serving.api import DreamServer
+    from jaxport.dream.serving.settings import ServeSettings
+
+    monkeypatch.setattr(
+        programs, "map_count_limit", lambda: int((programs.memory_mappings() + 1) / programs.MAP_SHARE) + 1
+    )
+    model, tokenizer = dream.load(MODEL, dtype="float32")
+    settings = ServeSettings(model_name=NAME, max_batch=2, max_queue=4, prompt_buckets=(64,), max_tokens_buckets=(8,))
+    server = DreamServer(model, tokenizer, settings)
+    with pytest.raises(JaxportError, match=r"^the start-up set of 2 programs would hold about [\d,]+ memory mappings"):
+        server.warmup()
+    assert server.engine.stats["compilations"] == 1  # refused after its first program
+
+
+def test_the_start_up_plan_has_every_block_program_and_each_running_batch_size():
+    """`start_up_programs` (what `--compile-for` compiles): the prefix cache's program per block index at every batch
+    size; under continuous batching, one running batch's block call per batch size for every dual-cache key."""
+    from jaxport.dream.serving.engine import lane_of, start_up_programs
+    from jaxport.dream.serving.programs import ServedPrograms, batch_buckets
+    from jaxport.dream.serving.settings import ServeSettings
+
+    def plan(**options):
+        settings = ServeSettings(model_name=NAME, max_batch=2, prompt_buckets=(64,), **options)
+        return start_up_programs(
+            ServedPrograms(settings).start_up_keys(),
+            batch_buckets(settings.max_batch),
+            lambda key: lane_of(key, settings.lane_tokens, settings.max_context),
+        )
+
+    prefix = plan(max_tokens_buckets=(16,), programs=((("block_length", 4), ("cache", "prefix")),))
+    assert [(p.batch, p.block) for p in prefix] == [(1, None), (2, None)] + [(b, i) for b in (1, 2) for i in range(4)]
+    lanes = plan(max_tokens_buckets=(16, 64), batching="continuous", fast=(("block_length", 4), ("cache", "dual")))
+    assert [(p.batch, p.lane.new_tokens, p.key) for p in lanes] == [(1, 64, None), (2, 64, None)]
 
 
 def _library_text(model, tokenizer, prompt: str, max_tokens: int, new_tokens: int, seed, **settings) -> str:
@@ -468,17 +557,18 @@ def _refused(url: str) -> bool:
 
 
 CONTINUOUS = {"block_length": 4, "cache": "dual"}
+# block-wise dual-cache rows of 16 or 128 new tokens share one running batch of 4 rows
+SERVED_CONTINUOUS = (
+    *("--max-batch", "4", "--max-queue", "16", "--max-context", "192", "--prompt-buckets", "64"),
+    *("--max-tokens-buckets", "16,128", "--batching", "continuous", "--block-length", "4", "--cache", "dual"),
+)
 
 
 @pytest.fixture(scope="module")
 def continuous_server(tmp_path_factory):
     """Continuous batching: block-wise dual-cache rows of 16 or 128 new tokens share one running batch of 4 rows."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    process, url = start_server(
-        log_path,
-        *("--max-batch", "4", "--max-queue", "16", "--max-context", "192", "--prompt-buckets", "64"),
-        *("--max-tokens-buckets", "16,128", "--batching", "continuous", "--block-length", "4", "--cache", "dual"),
-    )
+    process, url = start_server(log_path, *SERVED_CONTINUOUS)
     yield url, log_path
     process.kill()
     process.wait()
@@ -648,3 +738,21 @@ def test_continuous_batching_replies_equal_the_library_alone(continuous_server):
         settings = {"steps": new_tokens, "alg": "entropy", **CONTINUOUS, **extra, "temperature": options["temperature"]}
         expected = _library_text(model, tokenizer, prompt, max_tokens, new_tokens, options["seed"], **settings)
         assert reply == expected, (prompt, max_tokens, options, extra)
+
+
+@pytest.mark.skipif(compile_for.libtpu_version() is None, reason="libtpu is not installed")
+@pytest.mark.parametrize(
+    "fixture, options, programs", [("server", SERVED, 6), ("continuous_server", SERVED_CONTINUOUS, 3)]
+)
+def test_compile_for_compiles_the_programs_the_server_compiles(request, fixture, options, programs):
+    """`serve --compile-for` compiles what a server of the same flags compiles at start-up, as many programs: each
+    program setting at both batch sizes (static batching), the running batch's block call at each of the three sizes
+    (continuous); then the memory of them all held at once."""
+    url, _ = request.getfixturevalue(fixture)
+    started = prometheus(url)[("jaxport_dream_start_up_programs", ())]
+    command = ["dream", "serve", "--model", str(MODEL), "--dtype", "float32", *options, "--compile-for", "v5e-4"]
+    proc = subprocess.run([sys.executable, "-m", "jaxport.cli", *command], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(re.findall(r"^jaxport dream serve: ", proc.stdout, re.M)) == started == programs, proc.stdout
+    assert re.search(rf"^the server: its {programs} programs held at once", proc.stdout, re.M)
+    assert "DOES NOT FIT" not in proc.stdout

@@ -290,11 +290,11 @@ def _serve_config(args):
 
 
 class _AbstractCanvas:
-    """What `prepare_generation` reads of a model (its config) and where it puts the canvas: here shapes placed as
-    `DreamModel.place_batch` places arrays, since nothing can be put on a slice that is not here."""
+    """What `prepare_generation` reads of a model (its config and dtype) and where it puts the canvas: here shapes
+    placed as `DreamModel.place_batch` places arrays, since nothing can be put on a slice that is not here."""
 
     def __init__(self, model):
-        self.config, self.mesh = model.config, model.mesh
+        self.config, self.mesh, self.dtype = model.config, model.mesh, model.dtype
 
     def place_batch(self, *arrays):
         from jaxport.dream.model import batch_sharding
@@ -385,36 +385,73 @@ def _compile_generate(args) -> int:
     return 0
 
 
+def _served_program(model, tokenizer, planned, flag: str, dtype: str):
+    """The program `planned` (`jaxport.dream.serving.engine.StartUpProgram`) as the server compiles it
+    (`CompiledPrograms`): its rows left-padded to the prompt bucket, every branch of the sampler, its block index
+    where each block is a program of its own, and in a running batch (continuous batching) a block index per row."""
+    from jaxport.dream.exact import exact_target
+    from jaxport.dream.fast import block_target
+    from jaxport.dream.model import batch_sharding
+    from jaxport.dream.program import prepare_generation
+    from jaxport.dream.sampling import Branches
+    from jaxport.dream.serving.programs import BatchKey
+    from jaxport.runtime.compile_for import Program
+
+    canvas = planned.key or planned.lane  # its prompt bucket, new tokens and program settings
+    generation = dict(canvas.settings, max_new_tokens=canvas.new_tokens)
+    input_ids, attention_mask = tokenizer(["Hello"] * planned.batch, pad_to=canvas.prompt_len)
+    prepared = prepare_generation(_AbstractCanvas(model), input_ids, attention_mask, **generation)
+    program = dataclasses.replace(prepared.program, branches=Branches())
+    # a running batch's calls take no [D, V] head table (`RunningBatch.run`)
+    prepared = dataclasses.replace(prepared, program=program, head_DV=None if planned.lane else prepared.head_DV)
+    what = f"{_decoding_name(generation)} of {planned.batch} row(s)"
+    if not program.blockwise:
+        jitted, arguments = exact_target(model, prepared)
+    elif planned.lane is not None:
+        jitted, arguments = block_target(model, prepared)
+        rows = (planned.batch,)
+        block = jax.ShapeDtypeStruct(rows, np.int32, sharding=batch_sharding(model.mesh, rows))
+        arguments = (*arguments[:-3], block, *arguments[-2:])  # (..., head_DV, block, program, refresh)
+        what = f"a running batch's block call, {what}, each at its own block"
+    else:
+        jitted, arguments = block_target(model, prepared, np.int32(0) if planned.block is None else planned.block)
+        if planned.block is not None:
+            what += f", block {planned.block + 1} of {canvas.new_tokens // canvas.settings.block_length}"
+    described = BatchKey(canvas.prompt_len, canvas.new_tokens, canvas.settings).describe()
+    title = (
+        f"jaxport dream serve: {what}, prompt bucket {canvas.prompt_len} + {canvas.new_tokens} new tokens "
+        f"({described}), {dtype} weights"
+    )
+    return Program(title, jitted, arguments, model.mesh, flag)
+
+
 def _compile_serve(args, settings) -> int:
-    """`jaxport dream serve ... --compile-for SLICE`: the programs the server compiles at start-up (each warm-up
-    setting at the largest batch, the most memory) compiled for a TPU slice and reported."""
+    """`jaxport dream serve ... --compile-for SLICE`: every program the server compiles at start-up
+    (`start_up_programs`: each prompt and max_tokens bucket, program setting and batch size, every block program of a
+    generation, the running batch's under continuous batching), compiled for a TPU slice and reported, then what the
+    server needs holding them all."""
     from jaxport.dream.params import placed_abstract_model
+    from jaxport.dream.serving.engine import lane_of, start_up_programs
     from jaxport.dream.serving.programs import ServedPrograms, batch_buckets
-    from jaxport.runtime.compile_for import compile_for
+    from jaxport.runtime.compile_for import compile_for, held_together
 
     config, tokenizer = _serve_config(args)
-    rows = batch_buckets(settings.max_batch)[-1]
+    plan = start_up_programs(
+        ServedPrograms(settings).start_up_keys(),
+        batch_buckets(settings.max_batch),
+        lambda key: lane_of(key, settings.lane_tokens, settings.max_context),
+    )
 
     def build(devices, spec=args.mesh):
         mesh, flag = _compile_mesh(spec, devices)
         model = placed_abstract_model(config, args.dtype, mesh)
-        programs = []
-        for key in ServedPrograms(settings).start_up_keys():
-            generation = dict(key.settings, max_new_tokens=key.new_tokens)
-            title = (
-                f"jaxport dream serve: {_decoding_name(generation)} of {rows} row(s), prompt bucket {key.prompt_len} "
-                f"+ {key.new_tokens} new tokens ({key.describe()}), {args.dtype} weights"
-            )
-            programs.append(
-                _generation_program(model, tokenizer, ["Hello"] * rows, key.prompt_len, title, flag, **generation)
-            )
-        return programs
+        return [_served_program(model, tokenizer, planned, flag, args.dtype) for planned in plan]
 
     def refits(devices):
         for flag, spec in _mesh_refits(devices, args.mesh, ("1,1,{n}", "1,{n},1")):
             yield flag, lambda spec=spec: build(devices, spec)
 
-    compile_for(args.compile_for, build, refits)
+    print(held_together("the server", compile_for(args.compile_for, build, refits)), flush=True)
     return 0
 
 

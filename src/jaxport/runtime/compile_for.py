@@ -7,7 +7,8 @@ abstract arrays in place of weights and data, and XLA's TPU compiler returns the
 per device: the memory XLA plans (arguments, outputs, temporaries, generated code) against the chip's HBM, the
 FLOPs and HBM bytes of XLA's cost analysis, the collectives of the partitioned program (kind, count, bytes), and a
 roofline estimate of the step time from the chip's datasheet figures (`jaxport.runtime.topologies`). Where the
-program does not fit, one line names a mesh (or batch) that does, compiled to check.
+program does not fit, one line names a mesh (or batch) that does, compiled to check. A command that keeps several
+programs (a server's start-up set) ends with what they need held at once (`held_together`).
 
 The programs are jitted under the runtime of the slice's devices (`jaxport.runtime.for_devices`), so the models
 choose their layouts and attention for the target, not for this CPU.
@@ -543,6 +544,28 @@ def format_report(report: Report) -> str:
             f"({seconds(sum(times.values()))} if nothing overlaps)"
         )
     return "\n".join(lines)
+
+
+def held_together(holder: str, reports: list[Report]) -> str:
+    """What `holder`, a process that keeps every program of `reports` compiled and runs one at a time over the same
+    weights (a server's start-up set), needs per device: the largest call's arguments, outputs and temporaries,
+    and the code of them all. A program XLA refused counts with what it needed at least."""
+    if not reports:
+        return f"{holder}: no programs"
+    code = sum(report.memory["code"] for report in reports if report.memory)
+    call = max(report.needed - (report.memory["code"] if report.memory else 0) for report in reports)
+    needed, first = call + code, reports[0]
+    refused = any(report.refused for report in reports)
+    verdict = f"fits ({needed / first.hbm:.0%})" if not refused and needed <= first.hbm else "DOES NOT FIT"
+    return "\n".join(
+        [
+            f"{holder}: its {len(reports)} programs held at once, one running at a time over the same weights",
+            f"  memory       per device: the largest call's arguments, outputs and temporaries {size(call)}, the code "
+            f"of all {len(reports)} programs {size(code)}",
+            f"               needs {'at least ' if refused else ''}{size(needed)} per device of a "
+            f"{first.slice.chip.name} device's {size(first.hbm)} HBM: {verdict}",
+        ]
+    )
 
 
 def compile_for(

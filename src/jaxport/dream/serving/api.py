@@ -65,8 +65,7 @@ class DreamServer:
             max_batch=settings.max_batch,
             max_queue=settings.max_queue,
             on_demand=settings.compile_on_demand,
-            batching=settings.batching,
-            lane_tokens=settings.max_tokens_buckets[-1],
+            lane_tokens=settings.lane_tokens,
             max_context=settings.max_context,
             delay_factor=settings.schedule_delay_factor,
         )
@@ -359,9 +358,7 @@ def serve(
     finish the requests in flight, return 0."""
     app = create_app(model, tokenizer, settings)
     if warmup:
-        start = time.perf_counter()
-        app.state.server.warmup()
-        log(f"start-up compilation done in {time.perf_counter() - start:.1f} s")
+        app.state.server.warmup()  # logs what the start-up set took
     # uvicorn shuts down gracefully on these, then re-raises them under the handlers it found: make
     # those do nothing, so that the process ends normally with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,10 +2,13 @@
 and runs what the scheduler (`jaxport.dream.serving.scheduler`, a pure function of the queue and the running batch)
 decides: static batches of one compiled program, or block calls of a running batch (continuous batching).
 
-Static batching runs a batch to the end of its longest row. With `batching="continuous"`, requests decoded block-wise
-with the dual cache run in a `RunningBatch` of their `Lane` instead (`jaxport.dream.serving.batches`): rows join and
-leave at block boundaries, each at its own block, every call at the smallest batch size that holds the running rows,
-and each request's text is still its text alone.
+Static batching runs a batch to the end of its longest row. With continuous batching (`lane_tokens` given), requests
+decoded block-wise with the dual cache run in a `RunningBatch` of their `Lane` instead
+(`jaxport.dream.serving.batches`): rows join and leave at block boundaries, each at its own block, every call at the
+smallest batch size that holds the running rows, and each request's text is still its text alone.
+
+Before serving, `warmup` compiles the start-up set (`start_up_programs` lists it, as `--compile-for` compiles it) and
+reports its programs, seconds and memory mappings (`StartUpReport`).
 """
 
 import dataclasses
@@ -22,7 +25,15 @@ import jax.numpy as jnp
 
 from jaxport.dream.serving.batches import Lane, RunningBatch, generate_canvases, rng_key
 from jaxport.dream.serving.output import RowText
-from jaxport.dream.serving.programs import BatchKey, CompiledPrograms, batch_buckets, bucket
+from jaxport.dream.serving.programs import (
+    BatchKey,
+    CompiledPrograms,
+    StartUpMappings,
+    batch_buckets,
+    bucket,
+    map_count_limit,
+    memory_mappings,
+)
 from jaxport.dream.serving.scheduler import Decision, Row, Running, Waiting, decide, rows_like_oldest
 from jaxport.dream.settings import RowSettings
 from jaxport.dream.tokenizer import DreamTokenizer
@@ -64,6 +75,67 @@ class Job:
         return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(len(self.prompt_ids)))
 
 
+@dataclasses.dataclass(frozen=True)
+class StartUpProgram:
+    """One program of the start-up set as `Engine.warmup` compiles it: a static batch of `key`'s, or a running batch's
+    block call in `lane` (continuous batching: each row at its own block), at `batch` rows; `block` is the block index
+    of a program per block (the prefix cache's), None for a program that runs every block or the whole canvas."""
+
+    batch: int
+    key: BatchKey | None = None
+    lane: Lane | None = None
+    block: int | None = None
+
+
+def lane_of(key: BatchKey, lane_tokens: int | None, max_context: int | None) -> Lane | None:
+    """Where continuous batching runs requests of `key`, on canvases of `lane_tokens` new tokens (None: static
+    batching, as for a request that runs alone or whose prompt bucket leaves no room for that canvas)."""
+    if lane_tokens is None or key.alone is not None:
+        return None
+    if max_context is not None and key.prompt_len + lane_tokens > max_context:
+        return None
+    return Lane.of(key.prompt_len, lane_tokens, key.new_tokens, key.settings)
+
+
+def start_up_programs(
+    keys: list[BatchKey], batch_sizes: list[int], lane: Callable[[BatchKey], Lane | None]
+) -> list[StartUpProgram]:
+    """The programs the start-up set of `keys` compiles (`lane(key)`: where continuous batching runs a key, or None):
+    each lane's running batch at every batch size, then every other key's programs at every batch size, one per
+    block index where the window's shape depends on the block (the prefix cache)."""
+    lanes = list(dict.fromkeys(found for key in keys if (found := lane(key)) is not None))
+    programs = [StartUpProgram(size, lane=found) for found in lanes for size in batch_sizes]
+    for key in keys:
+        if lane(key) is not None:
+            continue
+        settings, blocks = key.settings, [None]
+        if settings.block_length is not None and settings.cache_kind.per_block_program:
+            blocks = list(range(key.new_tokens // settings.block_length))
+        programs += [StartUpProgram(size, key=key, block=block) for size in batch_sizes for block in blocks]
+    return programs
+
+
+@dataclasses.dataclass(frozen=True)
+class StartUpReport:
+    """What the start-up set took: the programs compiled, the seconds they took to compile (and run once), the
+    memory mappings they added, and the process's own mappings after them against its limit (None: not known)."""
+
+    programs: int = 0
+    seconds: float = 0.0
+    mappings: int | None = None
+    process_mappings: int | None = None
+    limit: int | None = None
+
+    def line(self) -> str:
+        text = f"start-up set: {self.programs} programs compiled in {self.seconds:.1f} s"
+        if self.mappings is None:
+            return text
+        text += f"; they hold {self.mappings:,} memory mappings (the process {self.process_mappings:,}"
+        if self.limit:
+            text += f" of vm.max_map_count {self.limit:,}, {self.process_mappings / self.limit:.0%}"
+        return text + ")"
+
+
 class QueueFull(Exception):
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
@@ -81,15 +153,15 @@ class Engine:
         max_batch: int,
         max_queue: int,
         on_demand: int = 0,
-        batching: str = "static",
         lane_tokens: int | None = None,
         max_context: int | None = None,
         delay_factor: float = 0.0,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
-        # continuous batching: rows of block-wise dual-cache programs share a canvas of `lane_tokens` new tokens
-        self.batching, self.lane_tokens, self.max_context = batching, lane_tokens, max_context
+        # continuous batching: rows of block-wise dual-cache programs share a canvas of `lane_tokens` new tokens (None:
+        # static batching)
+        self.lane_tokens, self.max_context = lane_tokens, max_context
         self.batch_sizes = batch_buckets(max_batch)
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -98,6 +170,9 @@ class Engine:
         self.programs = CompiledPrograms(model, on_demand, self._compiling, self._compiled)
         self._describe = ""
         self.start_up: set = set()  # the programs (`BatchKey.program`) of the start-up set
+        self.start_up_report = StartUpReport()
+        self._mappings: StartUpMappings | None = None  # while the start-up set compiles
+        self._compiled_before = 0  # start-up compilations before it
         self._batch_seconds = 1.0  # running mean, for Retry-After
         # a batch with room waits up to `delay_factor` times the last call (batch or block call) for more requests
         self.delay_factor, self._call_seconds = delay_factor, 0.0
@@ -118,6 +193,8 @@ class Engine:
         self.compile_seconds[when] += seconds
         for hook in self.compiled_hooks:
             hook(seconds, when)
+        if self._mappings is not None:
+            self._mappings.check(self.stats["compilations start-up"] - self._compiled_before, memory_mappings())
 
     # -- called from the server's event loop --------------------------------------------------
     def submit(self, job: Job):
@@ -165,6 +242,7 @@ class Engine:
             "row_blocks": self.stats["row blocks"],  # their running rows, summed over the calls
             "batch_requests": {str(k): v for k, v in sorted(self.batch_requests.items())},
             "batch_rows": {str(k): v for k, v in sorted(self.batch_rows.items())},
+            "start_up": dataclasses.asdict(self.start_up_report),
         }
 
     def start(self):
@@ -181,11 +259,11 @@ class Engine:
     # -- the worker ----------------------------------------------------------------------------
     def _lane(self, key: BatchKey) -> Lane | None:
         """Where continuous batching runs requests of `key` (None: static batching)."""
-        if self.batching != "continuous" or key.alone is not None:
-            return None
-        if self.max_context is not None and key.prompt_len + self.lane_tokens > self.max_context:
-            return None
-        return Lane.of(key.prompt_len, self.lane_tokens, key.new_tokens, key.settings)
+        return lane_of(key, self.lane_tokens, self.max_context)
+
+    def start_up_programs(self, keys: list[BatchKey]) -> list[StartUpProgram]:
+        """The programs `warmup(keys)` compiles."""
+        return start_up_programs(keys, self.batch_sizes, self._lane)
 
     def lanes(self, keys: list[BatchKey]) -> set[Lane]:
         """The lanes continuous batching runs `keys` in (none under static batching)."""
@@ -193,8 +271,29 @@ class Engine:
 
     def warmup(self, keys: list[BatchKey], prompt_ids: list[int]):
         """Compile every batch size for each key, before serving: the start-up set of programs (run on the prompt
-        `prompt_ids`)."""
+        `prompt_ids`), refused (`JaxportError`) before it takes the process past its share of memory mappings
+        (`StartUpMappings`). `start_up_report` says what it took, and the log."""
         self.start_up |= {key.program for key in keys} | self.lanes(keys)
+        self._compiled_before = self.stats["compilations start-up"]
+        self._mappings = StartUpMappings.measure(len(self.start_up_programs(keys)))
+        start = time.perf_counter()
+        try:
+            self._compile_start_up(keys, prompt_ids)
+        finally:
+            baseline, self._mappings = self._mappings.baseline, None
+        mappings = memory_mappings()
+        self.start_up_report = StartUpReport(
+            self.stats["compilations start-up"] - self._compiled_before,
+            time.perf_counter() - start,
+            None if mappings is None or baseline is None else mappings - baseline,
+            mappings,
+            map_count_limit(),
+        )
+        log(self.start_up_report.line())
+
+    def _compile_start_up(self, keys: list[BatchKey], prompt_ids: list[int]):
+        """Run every program of the start-up set once: each lane's running batch at every size, each other key's
+        generation at every batch size (each of its blocks)."""
         for lane in self.lanes(keys):
             self.programs.pinning = True
             ids, valid = self.tokenizer.pad([prompt_ids], pad_to=lane.prompt_len)

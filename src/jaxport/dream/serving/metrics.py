@@ -2,7 +2,7 @@
 
 Each server has its own `CollectorRegistry`, so several apps in one process do not share counters. Counters and
 histograms are updated as requests and batches end; the gauges (queue depth, running rows, batch occupancy, compiled
-programs) are read from the engine at scrape time.
+programs, the start-up set and the process's memory mappings) are read from the engine at scrape time.
 """
 
 import time
@@ -11,10 +11,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxport.dream.serving.engine import Engine, Job
+from jaxport.dream.serving.programs import map_count_limit, memory_mappings
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _known(value) -> float:
+    """A gauge's value; NaN where it is not known (a process without /proc)."""
+    return float("nan") if value is None else float(value)
 
 
 class ServerMetrics:
@@ -38,6 +44,7 @@ class ServerMetrics:
         Gauge(p + "compiled_programs", "decoding programs held compiled", registry=registry).set_function(
             lambda: len(engine.programs)
         )
+        self._start_up_gauges(engine)
         self.time_to_first_block = Histogram(
             p + "time_to_first_block_seconds",
             "from a request's arrival to its first finished block (the whole canvas on the exact path)",
@@ -64,6 +71,27 @@ class ServerMetrics:
             self.compile_seconds.labels(label)
         engine.finished = self.job_finished
         engine.compiled_hooks.append(self.compiled)
+
+    def _start_up_gauges(self, engine: Engine):
+        """What the start-up set took (`Engine.start_up_report`) and the memory mappings against the process's limit."""
+        p, registry = "jaxport_dream_", self.registry
+        Gauge(p + "start_up_programs", "programs the start-up set compiled", registry=registry).set_function(
+            lambda: engine.start_up_report.programs
+        )
+        Gauge(
+            p + "start_up_seconds", "seconds the start-up set took to compile (each run once)", registry=registry
+        ).set_function(lambda: engine.start_up_report.seconds)
+        Gauge(
+            p + "start_up_memory_mappings", "memory mappings the start-up set's programs added", registry=registry
+        ).set_function(lambda: _known(engine.start_up_report.mappings))
+        Gauge(
+            p + "memory_mappings", "memory mappings the process holds (/proc/self/maps)", registry=registry
+        ).set_function(lambda: _known(memory_mappings()))
+        Gauge(
+            p + "memory_mappings_limit",
+            "the most memory mappings the process may hold (vm.max_map_count)",
+            registry=registry,
+        ).set_function(lambda: _known(map_count_limit()))
 
     def compiled(self, seconds: float, when: str):
         self.compilations.labels(when).inc()

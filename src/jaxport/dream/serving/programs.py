@@ -15,12 +15,16 @@ The start-up set is every allowed program (`ServeSettings.allowed`: the defaults
 prompt bucket and `max_tokens` bucket that fit `--max-context`, each compiled at every batch bucket. A request
 outside it is refused with the reason, unless `--compile-on-demand N` lets the server compile its program on first
 use (then at most N such programs are kept, least recently used evicted).
+
+The start-up set stays within the process's limit of memory mappings (`StartUpMappings`): XLA:CPU maps every
+section of each kernel it loads, and past `vm.max_map_count` the next compilation aborts the process.
 """
 
 import bisect
 import dataclasses
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -30,6 +34,7 @@ from jaxport.dream.program import decoding_program
 from jaxport.dream.sampling import Branches
 from jaxport.dream.serving.settings import ServeSettings
 from jaxport.dream.settings import GenerationSettings, ProgramSettings
+from jaxport.errors import JaxportError
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -121,6 +126,75 @@ class CompiledPrograms:
                 self.extra.popitem(last=False)
         self.compiled(time.perf_counter() - start, self.pinning)
         return program
+
+
+# the start-up set may bring the process to this share of vm.max_map_count: the rest is left to the programs
+# compiled on demand and to what the runtime maps later
+MAP_SHARE = 0.6
+# what makes the start-up set smaller, named where it is refused
+SHRINKING_FLAGS = (
+    "fewer --prompt-buckets or --max-tokens-buckets values, fewer --program combinations, a smaller --max-batch (a "
+    "program per power of two up to it), no prefix cache at start-up (a program per block: --compile-on-demand "
+    "serves it), or a higher limit (sysctl vm.max_map_count)"
+)
+
+
+def memory_mappings() -> int | None:
+    """The memory mappings this process holds now (the lines of /proc/self/maps; None where there is none)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def map_count_limit() -> int | None:
+    """The most memory mappings a process may hold (`vm.max_map_count`; None where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclasses.dataclass
+class StartUpMappings:
+    """The start-up set's memory mappings against the process's limit, checked after each of its `planned` programs
+    compiles (`check`): the process's mappings once they all are is projected from those compiled so far (each
+    program to come adds the mean of those after the first, whose own count holds the compiler's one-time
+    mappings), and a set that would pass `MAP_SHARE` of the limit is refused before it gets there."""
+
+    planned: int
+    baseline: int | None  # the process's mappings before the first program (None: not known here)
+    limit: int | None
+    first: int | None = None  # the process's mappings after the first program
+
+    @classmethod
+    def measure(cls, planned: int) -> "StartUpMappings":
+        return cls(planned, memory_mappings(), map_count_limit())
+
+    def projected(self, compiled: int, mappings: int) -> int:
+        """The process's mappings once every planned program is compiled, from `mappings` after `compiled`."""
+        if compiled < 2 or self.first is None:
+            return mappings
+        per_program = max(mappings - self.first, 0) / (compiled - 1)
+        return round(mappings + per_program * max(self.planned - compiled, 0))
+
+    def check(self, compiled: int, mappings: int | None):
+        """After the `compiled`-th program, the process holding `mappings`: raises `JaxportError` (one line naming
+        what shrinks the set) where the set would pass `MAP_SHARE` of the limit."""
+        if mappings is None or self.baseline is None or self.limit is None:
+            return
+        if compiled == 1:
+            self.first = mappings
+        projected = self.projected(compiled, mappings)
+        if projected <= MAP_SHARE * self.limit:
+            return
+        raise JaxportError(
+            f"the start-up set of {self.planned} programs would hold about {projected - self.baseline:,} memory "
+            f"mappings ({mappings - self.baseline:,} after {compiled} of them), taking the process past "
+            f"{MAP_SHARE:.0%} of its limit (vm.max_map_count {self.limit:,}; it held {self.baseline:,} before); "
+            f"make the set smaller: {SHRINKING_FLAGS}"
+        )
 
 
 # the program settings a refusal may name, in the order it looks for the first one no allowed program has

@@ -55,6 +55,12 @@ class ServeSettings:
         for new_tokens in self.max_tokens_buckets:
             self.allowed(new_tokens)  # a bad --program is an error at start-up
 
+    @property
+    def lane_tokens(self) -> int | None:
+        """The new tokens of a running batch's canvas, the largest `max_tokens` bucket (continuous batching; None:
+        static batching)."""
+        return self.max_tokens_buckets[-1] if self.batching == "continuous" else None
+
     def defaults(self, new_tokens: int) -> dict:
         """The program settings of a request that sets none (steps: one per new token)."""
         return {"steps": new_tokens, "alg": self.alg, **dict(self.fast)}
