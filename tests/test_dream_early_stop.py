@@ -10,7 +10,15 @@ import pytest
 
 from jaxport import dream
 from jaxport.dream.cli import _generation_args, _parser
-from jaxport.dream.program import EarlyStop, JitPrograms, prepare_generation, row_keys, text_ended
+from jaxport.dream.exact import exact_loop, text_ended_at
+from jaxport.dream.program import (
+    EarlyStop,
+    JitPrograms,
+    decoding_program,
+    prepare_generation,
+    row_keys,
+    text_ended,
+)
 from jaxport.dream.serving.batches import generate_canvases
 from jaxport.dream.serving.output import RowText
 from jaxport.dream.serving.programs import BatchKey
@@ -50,6 +58,13 @@ def test_text_ended_is_the_first_end_or_mask_being_an_end():
     span = np.array([[1, 0, 9], [1, 9, 0], [9, 9, 9], [1, 2, 3], [7, 9, 9]])
     np.testing.assert_array_equal(text_ended(span, stop, mask), [True, False, False, False, True])
     np.testing.assert_array_equal(np.asarray(text_ended(jnp.asarray(span), stop, mask)), text_ended(span, stop, mask))
+    # the exact loop's check, its ids and start inputs: a prompt of end-of-text ids before the text is not read
+    ends_V = np.isin(np.arange(10), sorted(stop))
+    for start in (0, 2):
+        canvas = jnp.asarray(np.concatenate([np.full((5, start), 7), span], axis=1))
+        ended = text_ended_at(canvas, jnp.asarray(ends_V), jnp.int32(start), mask)
+        np.testing.assert_array_equal(np.asarray(ended), text_ended(span, stop, mask))
+    assert not np.asarray(text_ended_at(jnp.asarray(span), jnp.zeros(10, bool), jnp.int32(0), mask)).any()
 
 
 @pytest.mark.parametrize("rows", [1, 4], ids=["alone", "batched"])
@@ -74,10 +89,14 @@ def test_block_wise_stops_after_the_block_where_every_text_ended(task_model, row
 def test_exact_path_stops_after_the_step_where_every_text_ended(task_model, rows):
     model, tokenizer = task_model
     ids, mask = tokenizer(PROMPTS[:rows])
+    canvas = prepare_generation(model, ids, mask, **EXACT).x_BN
+    jitted = decoding_program(exact_loop, model, canvas, static_argnames=("graphdef", "program"))
+    compiled = jitted._cache_size()
     full = model.diffusion_generate(ids, mask, return_dict_in_generate=False, **EXACT)
     stopped = model.diffusion_generate(
         ids, mask, return_dict_in_generate=False, stop_token_ids=tokenizer.stop_ids, **EXACT
     )
+    assert jitted._cache_size() == compiled + 1  # the end-of-text ids are inputs: one program decodes both
     assert not (np.asarray(full) == model.config.mask_token_id).any()
     # it stopped before the last step, once every row's text had ended
     assert (np.asarray(stopped) == model.config.mask_token_id).any()
