@@ -12,6 +12,10 @@ the same weights, and its replies name their token ids.
 
     python bench/dream_fastdllm.py run --model DIR --prompt-ids FILE --max-new-tokens 128 --steps 128 \
         --block-length 32 --dual-cache --alg confidence_threshold --threshold 0.9 --batches 1,8 --runs 3
+    python bench/dream_fastdllm.py early-stop --model DIR --prompt-ids FILE ...   # the same flags
+
+`early-stop` decodes the same inputs under jaxport's default schedule instead, with early stop off and on
+(`jaxport.dream.decoding.diffusion_generate`), and reports the block calls and new tokens/s of each.
 
 `run` takes the harness's flags and Fast-dLLM's `--alg` names (`confidence_threshold`, else the scheduled entropy
 ranking) and decodes as Fast-dLLM does (`jaxport.dream.settings.fastdllm_settings`). Batches of several rows are
@@ -184,6 +188,62 @@ def run(args):
         )
 
 
+def early_stop(args):
+    """The same inputs under jaxport's default schedule (`schedule="jaxport"`, the rest as `run` decodes them), with
+    early stop off and on: one JSON line each per batch size, with the block calls, the median seconds of the timed
+    passes and the new tokens per second (the canvas's new positions, as `run` counts them), and whether every
+    text is the full decoding's."""
+    config = dream.DreamConfig.from_model_dir(args.model)
+    model, tokenizer = load_model(args.model, config), dream.DreamTokenizer.from_model_dir(args.model, config)
+    rows = [json.loads(line) for line in Path(args.prompt_ids).read_text().splitlines() if line.strip()]
+    rows = rows[: args.limit] if args.limit else rows
+    s = {**settings(args), "schedule": "jaxport"}
+    for size in (int(b) for b in args.batches.split(",")):
+        work, full_texts = batches(rows, size, config.pad_token_id), None
+        for stop in (False, True):
+
+            def generate(ids, mask, stop=stop):  # (canvas, block calls)
+                blocks = list(
+                    dream.generate_blocks(model, ids, mask, stop_token_ids=tokenizer.stop_ids, early_stop=stop, **s)
+                )
+                return blocks[-1].output.sequences, len(blocks)
+
+            start = time.perf_counter()
+            for shape in dict.fromkeys((ids.shape, mask is None) for ids, mask in work):
+                ids, mask = next((i, m) for i, m in work if (i.shape, m is None) == shape)
+                jax.block_until_ready(generate(ids, mask)[0])
+            compile_s = time.perf_counter() - start
+            times = []
+            for _ in range(args.runs):
+                start = time.perf_counter()
+                outputs = [generate(ids, mask) for ids, mask in work]
+                jax.block_until_ready([canvas for canvas, _ in outputs])
+                times.append(time.perf_counter() - start)
+            texts = [
+                text
+                for (ids, _), (canvas, _) in zip(work, outputs)
+                for text in tokenizer.decode_generation(np.asarray(canvas), ids.shape[1])
+            ]
+            full_texts = full_texts or texts
+            median = statistics.median(times)
+            emit(
+                {
+                    "batch": size,
+                    "rows": len(rows),
+                    "settings": s,
+                    "early_stop": stop,
+                    "block_calls": sum(calls for _, calls in outputs),
+                    "block_calls_full": len(work) * (args.max_new_tokens // args.block_length),
+                    "compile_s": round(compile_s, 2),
+                    "times_s": [round(t, 4) for t in times],
+                    "median_s": round(median, 4),
+                    "new_tokens_per_s": round(len(rows) * args.max_new_tokens / median, 1),
+                    "texts_equal_to_full": texts == full_texts,
+                    "machine": environment(),
+                }
+            )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     actions = parser.add_subparsers(dest="action", required=True)
@@ -192,20 +252,27 @@ def main():
     prep.add_argument("dir")
     prep.add_argument("--prompts", type=int, default=64)
     go = actions.add_parser("run")
-    go.add_argument("--model", required=True)
-    go.add_argument("--prompt-ids", required=True)
-    go.add_argument("--limit", type=int, default=0)
-    go.add_argument("--max-new-tokens", type=int, default=128)
-    go.add_argument("--steps", type=int, default=128)
-    go.add_argument("--block-length", type=int, default=32)
-    go.add_argument("--dual-cache", action="store_true")
-    go.add_argument("--alg", default="confidence_threshold")
-    go.add_argument("--threshold", type=float, default=0.9)
-    go.add_argument("--batches", default="1")
-    go.add_argument("--runs", type=int, default=3)
+    stop = actions.add_parser("early-stop", help="block calls and tokens/s with and without early stop")
+    _add_run_flags(go)
+    _add_run_flags(stop)
     args = parser.parse_args()
-    prepare(args) if args.action == "prepare" else run(args)
+    {"prepare": prepare, "run": run, "early-stop": early_stop}[args.action](args)
     return 0
+
+
+def _add_run_flags(parser):
+    """The flags of `run` and `early-stop`: the harness's."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompt-ids", required=True)
+    parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--dual-cache", action="store_true")
+    parser.add_argument("--alg", default="confidence_threshold")
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--batches", default="1")
+    parser.add_argument("--runs", type=int, default=3)
 
 
 if __name__ == "__main__":

@@ -259,15 +259,13 @@ def test_bfloat16_generation():
 def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
     """On a CPU the compiled decoding loop runs each YNNPACK fusion on one dot: XLA's default also pulls the
     sampler's softmax reductions into YNNPACK fusions, which slows the vocabulary projection that feeds them."""
-    from flax import nnx
-
-    from jaxport.dream.exact import exact_loop
-    from jaxport.dream.program import decoding_program, prepare_generation
+    from jaxport.dream.exact import exact_target
+    from jaxport.dream.program import prepare_generation
 
     inputs, _ = data
     p = prepare_generation(model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8, steps=8)
-    program = decoding_program(exact_loop, model, p.x_BN, static_argnames=("graphdef", "program"))
-    hlo = program.lower(*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.program).compile().as_text()
+    program, arguments = exact_target(model, p)
+    hlo = program.lower(*arguments).compile().as_text()
     fused = [line for line in hlo.splitlines() if '"kind":"__ynn_fusion"' in line]
     assert fused, "no YNNPACK fusion in the decoding program"
     assert all("/dot_general" in line for line in fused), [line[:200] for line in fused if "/dot_general" not in line]

@@ -100,10 +100,11 @@ def test_multiple_choice_through_simple_evaluate():
 
 
 def test_generate_until_is_jaxport_decoding_cut_at_until(lm):
-    """`generate_until` gives `tasks.evaluate`'s completions (the same batches, padding and decoding), each
-    cut at its request's until strings, and the whole text with `escape_until`."""
+    """`generate_until` gives `tasks.evaluate`'s completions (the same batches, padding and decoding) of the full
+    decoding (its own stops early), each cut at its request's until strings, and the whole text with
+    `escape_until`."""
     problems = tasks.demo_test_problems(8)
-    _, expected = tasks.evaluate(lm.model, lm.tokenizer, problems, batch_size=8, alg="entropy")
+    _, expected = tasks.evaluate(lm.model, lm.tokenizer, problems, batch_size=8, alg="entropy", early_stop=False)
     stops = [["\n"]] * 6 + [["3", "5"], "x"]
     requests = [_generate(p.prompt, until) for p, until in zip(problems, stops)]
     cut = expected[:6] + [expected[6].split("3")[0].split("5")[0], expected[7].split("x")[0]]

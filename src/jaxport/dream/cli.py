@@ -98,7 +98,8 @@ def _generation_args(args) -> dict:
     """`diffusion_generate`'s arguments from `jaxport dream generate`'s flags, validated before any model is loaded."""
     steps = _steps(args)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
-    return dict(max_new_tokens=args.max_new_tokens, **_settings(args, steps, eps=args.eps, **sampling))
+    settings = _settings(args, steps, eps=args.eps, early_stop=not args.no_early_stop, **sampling)
+    return dict(max_new_tokens=args.max_new_tokens, **settings)
 
 
 def _read_prompts(args) -> list:
@@ -174,6 +175,7 @@ def generate(args) -> int:
             attention_mask,
             rng=jax.random.key(args.seed + first),
             progress=progress,
+            stop_token_ids=tokenizer.stop_ids,
             **generation,
         )
         sequences = jax.device_get(out.sequences)
@@ -588,6 +590,12 @@ def _add_generate(actions):
     gen.add_argument("--eps", type=float, default=1e-3)
     gen.add_argument("--batch-size", type=int, default=1)
     gen.add_argument("--watch", action="store_true", help="print the canvas after every step (masks as _)")
+    gen.add_argument(
+        "--no-early-stop",
+        action="store_true",
+        help="decode every position: by default a batch stops once every row's text has ended (its first "
+        "end-of-text decided, every position before it too), which changes no completion",
+    )
     _add_compile_for(gen, "the generation program of a full --batch-size batch")
     gen.set_defaults(run=generate)
 
@@ -664,7 +672,7 @@ def _add_serve(actions):
         default="continuous",
         choices=("static", "continuous"),
         help="continuous (default): block-wise requests with the dual cache join and leave a running batch at block "
-        "boundaries, the others keep static batching; static: a batch runs to the end of its longest row",
+        "boundaries, the others keep static batching; static: a batch runs until every row's text has ended",
     )
     srv.add_argument(
         "--schedule-delay-factor",

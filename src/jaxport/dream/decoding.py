@@ -10,7 +10,7 @@ def diffusion_generate(
     model, input_ids, attention_mask=None, *, return_dict_in_generate: bool = True, programs=None, **generation_args
 ):
     """Generate with upstream's semantics: the canvas is `input_ids` followed by mask tokens up to
-    `max_length` (or `max_new_tokens` more). No eos handling: every position is filled.
+    `max_length` (or `max_new_tokens` more). Every position is filled, unless `stop_token_ids` are given.
 
     Upstream's arguments and defaults: `max_length` (20) or `max_new_tokens`, `steps` (512), `alg`
     (origin, maskgit_plus, topk_margin, entropy), `temperature` (0), `top_p`, `top_k`, `alg_temp`,
@@ -40,6 +40,14 @@ def diffusion_generate(
     Any of them selects the block-wise path (`block_length` defaults to all new tokens); without them this
     is the exact path. Block-wise, the logits hook is not available, the tokens hook gets `logits=None`,
     and a block whose masks are all filled ends early (its remaining steps are recorded as unchanged).
+
+    Early stop: given `stop_token_ids` (end-of-text ids, e.g. `tokenizer.stop_ids`, which the text API, the CLI,
+    lm-eval and the server pass), the decoding stops once every row's text has ended, its first end-of-text or
+    mask token being an end-of-text: the exact path after that step, block-wise after that block. The tokens up to
+    each row's first end-of-text are those of the full decoding (nothing after a decided token changes it), those
+    after it may still be masks. `early_stop=False` turns it off; it is off under `schedule="fastdllm"` (Fast-dLLM
+    decodes every block), with `output_history` or `output_scores` (they record every step) and with a tokens
+    hook (it may rewrite decided tokens).
 
     `programs` compiles and runs the decoding loop: jax.jit's own cache by default (`program.JitPrograms`), or a
     server's registry of compiled programs (`jaxport.dream.serving.programs.CompiledPrograms`).

@@ -2,13 +2,19 @@
 
 Each of `steps` denoising steps shifts the logits by one position, scores every masked position and unmasks the
 most confident ones (a count shared by the batch: its average number of masks times the schedule's ratio); the
-step loop is a `lax.fori_loop` inside one compiled program. Work avoided without changing any result: the
-vocabulary projection, the sampler and the last layer's queries and MLP run only at positions that still hold a
-mask token (packed into a few static sizes), and the scored window starts at the first position that can hold one.
+step loop is a `lax.while_loop` inside one compiled program, which also ends once every row's text has ended
+where the decoding stops early (`Program.early_stop`: no later step changes a decided token). The end-of-text ids
+are an input of the program, so the decoding with early stop and without it run one program. Work avoided
+without changing any result: the vocabulary projection, the sampler and the last layer's queries and MLP run only
+at positions that still hold a mask token (packed into a few static sizes), and the scored window starts at the
+first position that can hold one.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxport.dream.program import (
@@ -32,8 +38,18 @@ def step_keys(keys_B, index):
     return both[:, 0], both[:, 1]
 
 
-def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Program):
-    """The whole decoding: `(sequences, records)`."""
+def text_ended_at(x_BN, ends_text_V, text_start, mask_token_id: int):
+    """`program.text_ended` of each row's text `x_BN[:, text_start:]`, `[B]`, with its end-of-text ids as a
+    vocabulary mask `ends_text_V` (all false: no text ends) and its start traced: inputs of the program."""
+    in_text_N = jnp.arange(x_BN.shape[1]) >= text_start
+    stop_BN = ends_text_V[x_BN] & in_text_N
+    first_B = jnp.argmax(stop_BN | ((x_BN == mask_token_id) & in_text_N), axis=-1)
+    return jnp.take_along_axis(stop_BN, first_B[:, None], axis=-1)[:, 0]
+
+
+def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, ends_text_V, text_start, program: Program):
+    """The whole decoding: `(sequences, records)`; it ends early once every row's text has ended
+    (`text_ended_at`)."""
     model = merged(graphdef, state)
     settings, first, mask_id = program.settings, program.first, program.mask_token_id
     B, N = x_BN.shape
@@ -86,19 +102,37 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, program: Pro
         return x_BN, records
 
     records = program.empty_records(settings.steps, B, N, model.dtype)
-    return jax.lax.fori_loop(0, settings.steps, body, (x_BN, records))
+
+    def running(state):  # steps left, and a row whose text has not ended
+        step, (x_BN, _) = state
+        return (step < settings.steps) & ~jnp.all(text_ended_at(x_BN, ends_text_V, text_start, mask_id))
+
+    return jax.lax.while_loop(running, lambda state: (state[0] + 1, body(*state)), (jnp.int32(0), (x_BN, records)))[1]
+
+
+def early_stop_inputs(model, program: Program) -> tuple:
+    """`(program without its early stop, ends_text_V, text_start)`: the early stop as inputs of the exact loop, so
+    that one compiled program decodes with it and without it (`ends_text_V` all false: no text ends)."""
+    ends_text_V = np.zeros(model.config.vocab_size, bool)
+    stop = program.early_stop
+    if stop is not None:
+        ends_text_V[list(stop.stop_ids)] = True
+    return dataclasses.replace(program, early_stop=None), ends_text_V, np.int32(0 if stop is None else stop.start)
 
 
 def exact_target(model, prepared: Prepared) -> tuple:
     """`(jitted program, arguments)` of the exact path's whole loop (also what `--compile-for` compiles)."""
-    program = decoding_program(exact_loop, model, prepared.x_BN, static_argnames=("graphdef", "program"))
+    jitted = decoding_program(exact_loop, model, prepared.x_BN, static_argnames=("graphdef", "program"))
     p = prepared
-    return program, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, p.program)
+    program, ends_text_V, text_start = early_stop_inputs(model, p.program)
+    return jitted, (*nnx.split(model), p.x_BN, p.valid_BN, p.keys_B, p.rows, ends_text_V, text_start, program)
 
 
 def run_exact(model, prepared: Prepared, programs=None) -> GenerationOutput:
     """The exact decoding of `prepared`, compiled and run by `programs` (default `JitPrograms`)."""
     programs = JitPrograms(model) if programs is None else programs
     p = prepared
-    sequences, records = programs(exact_loop, {"program": p.program}, p.x_BN, p.valid_BN, p.keys_B, p.rows)
+    program, ends_text_V, text_start = early_stop_inputs(model, p.program)
+    dynamic = (p.x_BN, p.valid_BN, p.keys_B, p.rows, ends_text_V, text_start)
+    sequences, records = programs(exact_loop, {"program": program}, *dynamic)
     return GenerationOutput(sequences=sequences, **records)

@@ -33,7 +33,9 @@ Ties among exactly equal scores go to the leftmost position (`sampling.unmask`).
 
 The steps of a block are one compiled `while_loop`. Blocks are calls of that program: compiled once for all
 blocks, or once per block index for the prefix cache (its window shrinks from block to block), so a caller can
-stream each finished block (`generate_blocks`). Without the prefix cache every row may be at a block of its own
+stream each finished block (`generate_blocks`). With an early stop (`Program.early_stop`: end-of-text ids given,
+`early_stop` on, not `schedule="fastdllm"`) no block is called after one at whose end every row's text has ended;
+the positions after it keep their masks. Without the prefix cache every row may be at a block of its own
 (`block` one index per row): a continuous batch (`jaxport.dream.serving.batches`) runs rows that joined at
 different times.
 """
@@ -74,6 +76,7 @@ class FinishedBlock:
     end: int
     output: GenerationOutput
     steps: jax.Array | None = None  # the denoising steps the block took (a block ends once no row has a mask)
+    last: bool = False  # no block follows: the canvas's last, or every row's text has ended (`Program.early_stop`)
 
     @property
     def tokens(self) -> jax.Array:
@@ -252,7 +255,8 @@ def _block(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, head_DV, block, 
 def run_block(programs, prepared: Prepared, x_BN, block, refresh: bool = False):
     """One call of the block program on the canvas `x_BN` (the prepared generation's mask, keys and settings):
     `(canvas, records, steps run)`. `block` is an int, or one index per row (`[B]`, not with the prefix cache)."""
-    program = prepared.program
+    # the host stops between blocks: the block program never reads `early_stop`, one program serves either way
+    program = dataclasses.replace(prepared.program, early_stop=None)
     static = {"program": program, "refresh": refresh}
     args = (x_BN, prepared.valid_BN, prepared.keys_B, prepared.rows, prepared.head_DV)
     if program.settings.cache_kind.per_block_program:  # one program per block index
@@ -284,15 +288,23 @@ def _run_blocks(model, prepared: Prepared, refresh: bool, programs=None) -> Iter
         # each block's canvas committed to one sharding, so one compiled program serves them all
         return run_block(programs, prepared, jax.device_put(x_BN, sharding), index, refresh)
 
+    def ended(x_BN) -> bool:  # every row's text has ended: waits for the block, so none is dispatched ahead
+        stop = program.early_stop
+        return stop is not None and bool(np.all(stop.ended(np.asarray(jax.device_get(x_BN)), program.mask_token_id)))
+
     width = program.settings.block_length
     blocks = prepared.new_tokens // width
     x_BN, records, steps = run(prepared.x_BN, 0)
     for index in range(blocks):
         start = program.first + index * width
-        finished = FinishedBlock(index, start, start + width, GenerationOutput(sequences=x_BN, **records), steps)
-        if index + 1 < blocks:  # dispatched before the caller reads this block, so the device keeps busy
+        last = index + 1 == blocks or ended(x_BN)
+        output = GenerationOutput(sequences=x_BN, **records)
+        finished = FinishedBlock(index, start, start + width, output, steps, last)
+        if not last:  # dispatched before the caller reads this block, so the device keeps busy
             x_BN, records, steps = run(x_BN, index + 1)
         yield finished
+        if last:
+            return
 
 
 def blocks_output(blocks: Iterator[FinishedBlock]) -> GenerationOutput:
@@ -312,7 +324,8 @@ def generate_blocks(
     """Block-wise generation that hands over each block as soon as it is finished.
 
     Takes `diffusion_generate`'s arguments (`block_length` defaults to all new tokens, one block) and
-    yields a `FinishedBlock` per block. Its arrays stay on the device and the next block is already
+    yields a `FinishedBlock` per block, up to the one at whose end every row's text has ended where
+    `stop_token_ids` are given (`FinishedBlock.last`). Its arrays stay on the device and the next block is already
     dispatched when one is yielded, so reading `block.tokens` waits for that block only:
 
         for block in generate_blocks(model, ids, mask, max_new_tokens=256, steps=256, block_length=32,

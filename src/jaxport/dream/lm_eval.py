@@ -10,8 +10,9 @@ name for `lm_eval.simple_evaluate(model="jaxport-dream", model_args=...)`.
 The model arguments are those of DreamLM/Dream's lm-eval model (`eval/eval.py`): `pretrained`,
 `max_new_tokens`, `diffusion_steps`, `alg`, `temperature`, `top_p`, `top_k`, `alg_temp`,
 `add_bos_token`, `escape_until`, `max_length`, `mc_num`, `sampling_eps`; with jaxport's fast decoding
-`block_length`, `cache` (prefix or dual) and `threshold`, and `dtype`, `mesh` (`DATAxFSDPxMODEL`, as
-commas separate the model arguments) and `seed`.
+`block_length`, `cache` (prefix or dual) and `threshold`, `early_stop` (default true: a batch stops decoding
+once every row's text has ended, which changes no text), and `dtype`, `mesh` (`DATAxFSDPxMODEL`, as commas
+separate the model arguments) and `seed`.
 """
 
 import inspect
@@ -69,8 +70,9 @@ class DreamLM(LM):
     left-padded to the longest prompt of all requests (one compiled program per run) and followed by
     `max_new_tokens` masks, decoded by `model.diffusion_generate` in `diffusion_steps` steps (default
     `max_new_tokens`: one token per step) with `alg`, `temperature`, `top_p`, `top_k`, `alg_temp` and the
-    fast-decoding `block_length`, `cache`, `threshold`; batch i draws from `fold_in(key(seed), i)`. The
-    text is cut at end-of-text and then, unless `escape_until`, at the first of each request's `until`
+    fast-decoding `block_length`, `cache`, `threshold`; batch i draws from `fold_in(key(seed), i)`, and stops
+    once every row's text has ended (`early_stop`, `diffusion_generate`'s early stop). The text is cut at
+    end-of-text and then, unless `escape_until`, at the first of each request's `until`
     strings (lm-eval's). The canvas is the model's `max_new_tokens` whatever a task's `max_gen_toks`
     says, as in Dream's model. A prompt is never truncated: one too long for the model is an error.
 
@@ -106,6 +108,7 @@ class DreamLM(LM):
         block_length: int | None = None,
         cache: str | None = None,
         threshold: float | None = None,
+        early_stop: bool = True,
         add_bos_token: bool = False,
         escape_until: bool = False,
         mc_num: int = 128,
@@ -150,6 +153,7 @@ class DreamLM(LM):
             "block_length": block_length,
             "cache": cache,
             "threshold": threshold,
+            "early_stop": early_stop,
         }
         GenerationSettings.of(**self.sampling).check(self.max_new_tokens)  # before the model loads
         self.model, self.tokenizer = dream.load(pretrained, dtype=dtype, mesh=mesh)
@@ -191,6 +195,7 @@ class DreamLM(LM):
                 max_new_tokens=self.max_new_tokens,
                 rng=jax.random.fold_in(key, first // self.batch_size),
                 return_dict_in_generate=False,
+                stop_token_ids=self.tokenizer.stop_ids,
                 **self.sampling,
             )
             texts = self.tokenizer.decode_generation(jax.device_get(sequences), width)[: len(batch)]

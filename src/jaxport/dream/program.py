@@ -9,7 +9,7 @@ compiled programs (`jaxport.dream.serving.programs.CompiledPrograms`).
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,28 @@ class GenerationOutput:
 RECORDS = ("history", "confidence", "x0", "n_transfer")
 
 
+def text_ended(span_BS, stop_ids, mask_token_id: int):
+    """Whether each row's text has ended, `[B]`: the first end-of-text or mask token of its generated span `[B, S]`
+    is an end-of-text, so every position before it is decided and its text, cut there, is final (a continuous
+    batch lets such a row leave; a static batch whose rows have all ended stops). numpy on the host, jnp traced."""
+    xp = np if isinstance(span_BS, np.ndarray) else jnp
+    stop_BS = xp.isin(span_BS, xp.asarray(sorted(stop_ids)))
+    first_B = xp.argmax(stop_BS | (span_BS == mask_token_id), axis=-1)
+    return xp.take_along_axis(stop_BS, first_B[:, None], axis=-1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyStop:
+    """A decoding that stops once every row's text has ended (`text_ended`): the end-of-text ids, and the canvas
+    position where the new tokens (the text) begin."""
+
+    stop_ids: tuple[int, ...]
+    start: int
+
+    def ended(self, x_BN, mask_token_id: int):
+        return text_ended(x_BN[:, self.start :], self.stop_ids, mask_token_id)
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """What a compiled decoding depends on besides array shapes (hashable: jit's static argument)."""
@@ -51,6 +73,7 @@ class Program:
     tokens_hook: Callable | None = None
     logits_hook: Callable | None = None
     progress: Callable | None = None
+    early_stop: EarlyStop | None = None  # None: the decoding runs to its last step (block-wise, its last block)
 
     @property
     def blockwise(self) -> bool:
@@ -182,6 +205,24 @@ def _first_position(input_ids, mask_token_id: int, blockwise: bool, tokens_hook,
     return L
 
 
+def _early_stop(model, stop_token_ids, settings: GenerationSettings, start: int, watched: bool) -> EarlyStop | None:
+    """The early stop of a decoding whose new tokens begin at canvas position `start`, given the end-of-text ids
+    `stop_token_ids` (checked): none without them, where the settings turn it off (`stops_early`), or where the
+    steps are watched (per-step records, or a tokens hook, which may rewrite decided tokens)."""
+    if stop_token_ids is None:
+        return None
+    ids = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple, set, frozenset, np.ndarray)) else []
+    vocab = model.config.vocab_size
+    _check(
+        "stop_token_ids",
+        bool(ids) and all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < vocab for i in ids),
+        f"expected a non-empty list of token ids in [0, {vocab}) (vocab_size), got {stop_token_ids!r}",
+    )
+    if not settings.stops_early or watched:
+        return None
+    return EarlyStop(tuple(sorted({int(i) for i in ids})), start)
+
+
 def _padded_mask(attention_mask, input_ids, new_tokens: int):
     """The prompts' attention mask, checked, as booleans over the whole canvas (the new tokens attend), or None."""
     if attention_mask is None:
@@ -209,6 +250,7 @@ def prepare_generation(
     generation_tokens_hook_func: Callable | None = None,
     generation_logits_hook_func: Callable | None = None,
     progress: Callable | None = None,
+    stop_token_ids: Collection[int] | None = None,
     blockwise: bool = False,
     **settings,
 ) -> Prepared:
@@ -244,6 +286,13 @@ def prepare_generation(
         logits_hook=generation_logits_hook_func,
         progress=progress,
         branches=Branches.needed(rows),
+        early_stop=_early_stop(
+            model,
+            stop_token_ids,
+            checked,
+            input_ids.shape[1],
+            bool(output_history or output_scores or generation_tokens_hook_func),
+        ),
     )
     x, attention_mask, keys, *rows = model.place_batch(x, attention_mask, row_keys(rng, B), *rows)
     # a block's steps apply the head many times: once per generation, its weight is laid out as they read it fastest

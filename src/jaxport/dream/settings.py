@@ -9,7 +9,10 @@ The settings fall in two groups, by what a compiled decoding program makes of th
   them as runtime inputs of shape `[B]` (`jaxport.dream.sampling.Rows`), read only by the sampler and the unmask
   rule: one compiled program serves every value.
 
-`GenerationSettings` holds both, flat, as `diffusion_generate` takes them. `of(**arguments)` validates and
+`GenerationSettings` holds both, flat, as `diffusion_generate` takes them, and `early_stop` (on by default): a
+decoding given end-of-text ids (`diffusion_generate(stop_token_ids=...)`, which every caller that cuts text at
+end-of-text passes) stops once every row's text has ended, which changes no text; never under
+`schedule="fastdllm"` (Fast-dLLM decodes every block). `of(**arguments)` validates and
 raises one `JaxportError` naming the argument, its value and what is expected; `check(new_tokens)` checks the
 number of new tokens likewise, then adds the rules that relate settings to it and to each other (steps and blocks
 must divide it): each value is checked on its own before any rule between values, so an error names the value
@@ -156,7 +159,10 @@ class ProgramSettings(_Settings):
 
 
 class GenerationSettings(ProgramSettings, RowSettings):
-    """Every decoding setting, validated (`of`), split into the program's (`program`) and the rows' (`row`)."""
+    """Every decoding setting, validated (`of`), split into the program's (`program`) and the rows' (`row`), and
+    `early_stop` (see the module docstring)."""
+
+    early_stop: bool = True
 
     @classmethod
     def of(cls, **arguments) -> "GenerationSettings":
@@ -182,6 +188,12 @@ class GenerationSettings(ProgramSettings, RowSettings):
         threshold counts when any row has one."""
         given = lambda name: any(v not in (None, "jaxport") for v in self.each(name))  # noqa: E731
         return any(given(name) for name in BLOCKWISE)
+
+    @property
+    def stops_early(self) -> bool:
+        """Whether a decoding given end-of-text ids stops once every row's text has ended: `early_stop`, never
+        under `schedule="fastdllm"`."""
+        return self.early_stop and self.schedule != "fastdllm"
 
     @property
     def program(self) -> ProgramSettings:

@@ -172,7 +172,8 @@ def evaluate(
     """(scores, completions) of `model` on `problems`: each batch of prompts is left-padded to the longest
     prompt of all problems (one compiled shape), followed by `gen_len` masks, and decoded.
 
-    By default the decoder is exact (`steps = gen_len`, one token per step, `alg="entropy"`, greedy);
+    By default the decoder is exact (`steps = gen_len`, one token per step, `alg="entropy"`, greedy) and a batch
+    stops once every row's text has ended (`diffusion_generate`'s early stop; `early_stop=False` turns it off);
     `sampling` overrides `diffusion_generate`'s arguments, and `generate(input_ids, attention_mask) ->
     sequences [B, prompt + gen_len]` replaces it altogether (e.g. a faster decoder being judged).
     """
@@ -181,7 +182,12 @@ def evaluate(
 
         def generate(input_ids, attention_mask):
             return model.diffusion_generate(
-                input_ids, attention_mask, max_new_tokens=gen_len, return_dict_in_generate=False, **sampling
+                input_ids,
+                attention_mask,
+                max_new_tokens=gen_len,
+                return_dict_in_generate=False,
+                stop_token_ids=tokenizer.stop_ids,
+                **sampling,
             )
 
     width = max(len(tokenizer.encode(p.prompt)) for p in problems)

@@ -33,10 +33,11 @@ def generate(
     rendered with the model's chat template) or a list of either: a string for one, a list for a list.
 
     Each completion is cut at the first end-of-text (or DiffuCoder's `<|dlm_pad|>`), as `jaxport dream
-    generate` prints it. Prompts run in batches of `batch_size` (default: all at once), left-padded to
-    the longest prompt so that one compiled program serves every batch. `steps` defaults to
-    `max_new_tokens`; the other arguments are `diffusion_generate`'s, fast decoding included (e.g.
-    `alg="entropy", block_length=32, cache="dual", threshold=0.9`).
+    generate` prints it; a batch stops decoding once every row's text has ended (`diffusion_generate`'s early
+    stop, which changes no text; `early_stop=False` decodes every position). Prompts run in batches of
+    `batch_size` (default: all at once), left-padded to the longest prompt so that one compiled program serves
+    every batch. `steps` defaults to `max_new_tokens`; the other arguments are `diffusion_generate`'s, fast
+    decoding included (e.g. `alg="entropy", block_length=32, cache="dual", threshold=0.9`).
     """
     single = isinstance(prompts, str) or (
         isinstance(prompts, list) and bool(prompts) and all(isinstance(m, dict) for m in prompts)
@@ -55,7 +56,12 @@ def generate(
         # a short last batch repeats its first prompt, so it runs the same compiled program
         input_ids, attention_mask = tokenizer(batch + batch[:1] * (batch_size - len(batch)), pad_to=prompt_len)
         sequences = model.diffusion_generate(
-            input_ids, attention_mask, max_new_tokens=max_new_tokens, return_dict_in_generate=False, **generation_args
+            input_ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=False,
+            stop_token_ids=tokenizer.stop_ids,
+            **generation_args,
         )
         completions += tokenizer.decode_generation(jax.device_get(sequences), prompt_len)[: len(batch)]
     return completions[0] if single else completions

@@ -1,5 +1,5 @@
-"""How a batch of rows runs on the model: a static batch to its end (`generate_canvases`), or a running batch a block
-at a time (`RunningBatch`, continuous batching).
+"""How a batch of rows runs on the model: a static batch until every row's text has ended (`generate_canvases`), or a
+running batch a block at a time (`RunningBatch`, continuous batching).
 
 A row's tokens depend only on its own prompt, settings and key: each request's prompt bucket comes from its own
 length, every row of a batch holds the same number of masks (the exact path's unmask count is shared by the batch;
@@ -154,18 +154,21 @@ class RunningBatch:
 
 
 def generate_canvases(
-    model, key: BatchKey, input_ids, attention_mask, rows: dict, keys_B, programs
+    model, key: BatchKey, input_ids, attention_mask, rows: dict, keys_B, programs, stop_token_ids=None
 ) -> Iterator[tuple[np.ndarray, bool, int]]:
     """`(canvas [B, N], final, steps run)` each time more of the canvas is final; `rows` holds the per-row
     sampling settings (`diffusion_generate`'s arguments, a list of one value per row).
 
     The exact path is one compiled program, so it yields once, at the end; block-wise decoding (any
-    fast-decoding setting) yields after every finished block, so streams send each block's text."""
+    fast-decoding setting) yields after every finished block, so streams send each block's text. Given
+    `stop_token_ids`, the batch stops once every row's text has ended (`diffusion_generate`'s early stop): the
+    canvas after it is final, its positions after each row's end-of-text may hold masks."""
     args = dict(
         GenerationSettings.of(**key.settings.model_dump(), **rows).arguments(),
         max_new_tokens=key.new_tokens,
         rng=keys_B,
         programs=programs,
+        stop_token_ids=stop_token_ids,
     )
     if key.settings.block_length is None:
         sequences = model.diffusion_generate(input_ids, attention_mask, return_dict_in_generate=False, **args)
@@ -173,4 +176,4 @@ def generate_canvases(
         return
     for block in generate_blocks(model, input_ids, attention_mask, **args):
         canvas = np.asarray(jax.device_get(block.output.sequences))
-        yield canvas, block.end == input_ids.shape[1] + key.new_tokens, int(block.steps)
+        yield canvas, block.last, int(block.steps)

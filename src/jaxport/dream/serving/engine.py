@@ -312,7 +312,7 @@ class Engine:
                 continue  # served by its lane
             for size in self.batch_sizes:
                 rows = [(prompt_ids, RowSettings(), jax.random.key(0))] * size
-                for _ in self._generate(key, rows, when="at start-up"):
+                for _ in self._generate(key, rows, when="at start-up", every_block=True):
                     pass  # run every block: compiling each program is the point, not its text
 
     def _queue(self) -> list[Waiting]:
@@ -486,9 +486,18 @@ class Engine:
             if not job.cancelled:
                 job.post("done", None)
 
-    def _generate(self, key: BatchKey, rows: list[tuple[list[int], RowSettings, jax.Array]], when="on first use"):
+    def _generate(
+        self,
+        key: BatchKey,
+        rows: list[tuple[list[int], RowSettings, jax.Array]],
+        when="on first use",
+        every_block: bool = False,
+    ):
         """Run one batch of `(prompt ids, sampling settings, key)` rows (padded to a batch bucket with copies of the
-        first row); yields as `generate_canvases` does."""
+        first row), stopping once every row's text has ended, but block-wise for `every_block` (start-up: each
+        block's program compiles; the exact path's one program is the one requests run, early stop included);
+        yields as `generate_canvases` does."""
+        stop_ids = None if every_block and key.settings.block_length is not None else self.tokenizer.stop_ids
         size = bucket(len(rows), self.batch_sizes)
         rows = rows + rows[:1] * (size - len(rows))
         prompts, settings, keys = zip(*rows, strict=True)
@@ -497,5 +506,5 @@ class Engine:
         self.programs.pinning = key.program in self.start_up
         self._describe = f"{when}: batch {size}, {key.describe()}"
         yield from generate_canvases(
-            self.model, key, input_ids, attention_mask, per_row, jnp.stack(keys), self.programs
+            self.model, key, input_ids, attention_mask, per_row, jnp.stack(keys), self.programs, stop_ids
         )

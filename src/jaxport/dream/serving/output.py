@@ -5,18 +5,18 @@ import bisect
 
 import numpy as np
 
+from jaxport.dream.program import text_ended
 from jaxport.dream.tokenizer import DreamTokenizer
 
 
 def generated_ids(span: np.ndarray, stop_ids: set[int], mask_token_id: int) -> tuple[list[int], bool, bool]:
     """Token ids of a row's generated span up to its first end token or still-masked position:
-    `(ids, ended at an end token, reached a mask)`."""
-    ids = []
-    for token in span.tolist():
-        if token in stop_ids or token == mask_token_id:
-            return ids, token in stop_ids, token == mask_token_id
-        ids.append(token)
-    return ids, False, False
+    `(ids, ended at an end token (`text_ended`), reached a mask)`."""
+    span = np.asarray(span)
+    ends = np.isin(span, [*stop_ids, mask_token_id])
+    length = int(np.argmax(ends)) if ends.any() else len(span)
+    ended = bool(text_ended(span[None], stop_ids, mask_token_id)[0])
+    return span[:length].tolist(), ended, length < len(span) and not ended
 
 
 class RowText:
