@@ -10,7 +10,7 @@ import pytest
 
 from jaxport import dream
 from jaxport.dream.cli import _generation_args, _parser
-from jaxport.dream.exact import exact_loop, text_ended_at
+from jaxport.dream.exact import exact_loop
 from jaxport.dream.program import (
     EarlyStop,
     JitPrograms,
@@ -54,17 +54,20 @@ def _same_up_to_the_first_end(stopped, full, prompt_len: int, tokenizer):
 
 
 def test_text_ended_is_the_first_end_or_mask_being_an_end():
-    mask, stop = 9, {0, 7}
+    mask, stop = 9, [0, 7]
     span = np.array([[1, 0, 9], [1, 9, 0], [9, 9, 9], [1, 2, 3], [7, 9, 9]])
-    np.testing.assert_array_equal(text_ended(span, stop, mask), [True, False, False, False, True])
-    np.testing.assert_array_equal(np.asarray(text_ended(jnp.asarray(span), stop, mask)), text_ended(span, stop, mask))
-    # the exact loop's check, its ids and start inputs: a prompt of end-of-text ids before the text is not read
-    ends_V = np.isin(np.arange(10), sorted(stop))
+    ended = text_ended(span, np.isin(span, stop), mask)
+    np.testing.assert_array_equal(ended, [True, False, False, False, True])
+    np.testing.assert_array_equal(
+        np.asarray(text_ended(jnp.asarray(span), jnp.isin(span, jnp.asarray(stop)), mask)), ended
+    )
+    # as the exact loop reads it, the end-of-text ids a vocabulary mask and the start traced: a prompt of end-of-text
+    # ids before the text is not read
+    ends_V = jnp.isin(jnp.arange(10), jnp.asarray(stop))
     for start in (0, 2):
         canvas = jnp.asarray(np.concatenate([np.full((5, start), 7), span], axis=1))
-        ended = text_ended_at(canvas, jnp.asarray(ends_V), jnp.int32(start), mask)
-        np.testing.assert_array_equal(np.asarray(ended), text_ended(span, stop, mask))
-    assert not np.asarray(text_ended_at(jnp.asarray(span), jnp.zeros(10, bool), jnp.int32(0), mask)).any()
+        np.testing.assert_array_equal(np.asarray(text_ended(canvas, ends_V[canvas], mask, jnp.int32(start))), ended)
+    assert not np.asarray(text_ended(jnp.asarray(span), jnp.zeros(10, bool)[span], mask, jnp.int32(0))).any()
 
 
 @pytest.mark.parametrize("rows", [1, 4], ids=["alone", "batched"])
@@ -100,7 +103,8 @@ def test_exact_path_stops_after_the_step_where_every_text_ended(task_model, rows
     assert not (np.asarray(full) == model.config.mask_token_id).any()
     # it stopped before the last step, once every row's text had ended
     assert (np.asarray(stopped) == model.config.mask_token_id).any()
-    assert text_ended(np.asarray(stopped)[:, ids.shape[1] :], tokenizer.stop_ids, model.config.mask_token_id).all()
+    text = np.asarray(stopped)[:, ids.shape[1] :]
+    assert text_ended(text, np.isin(text, list(tokenizer.stop_ids)), model.config.mask_token_id).all()
     _same_up_to_the_first_end(stopped, full, ids.shape[1], tokenizer)
     assert dream.generate(model, tokenizer, PROMPTS[:rows], **EXACT) == tokenizer.decode_generation(
         np.asarray(full), ids.shape[1]

@@ -26,6 +26,7 @@ from jaxport.dream.program import (
     merged,
     padding_inputs,
     record,
+    text_ended,
 )
 from jaxport.dream.sampling import Rows, masked_scores, sample_tokens, transfer_ratios, unmask
 
@@ -38,18 +39,9 @@ def step_keys(keys_B, index):
     return both[:, 0], both[:, 1]
 
 
-def text_ended_at(x_BN, ends_text_V, text_start, mask_token_id: int):
-    """`program.text_ended` of each row's text `x_BN[:, text_start:]`, `[B]`, with its end-of-text ids as a
-    vocabulary mask `ends_text_V` (all false: no text ends) and its start traced: inputs of the program."""
-    in_text_N = jnp.arange(x_BN.shape[1]) >= text_start
-    stop_BN = ends_text_V[x_BN] & in_text_N
-    first_B = jnp.argmax(stop_BN | ((x_BN == mask_token_id) & in_text_N), axis=-1)
-    return jnp.take_along_axis(stop_BN, first_B[:, None], axis=-1)[:, 0]
-
-
 def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, ends_text_V, text_start, program: Program):
     """The whole decoding: `(sequences, records)`; it ends early once every row's text has ended
-    (`text_ended_at`)."""
+    (`text_ended`)."""
     model = merged(graphdef, state)
     settings, first, mask_id = program.settings, program.first, program.mask_token_id
     B, N = x_BN.shape
@@ -105,7 +97,7 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, ends_text_V,
 
     def running(state):  # steps left, and a row whose text has not ended
         step, (x_BN, _) = state
-        return (step < settings.steps) & ~jnp.all(text_ended_at(x_BN, ends_text_V, text_start, mask_id))
+        return (step < settings.steps) & ~jnp.all(text_ended(x_BN, ends_text_V[x_BN], mask_id, text_start))
 
     return jax.lax.while_loop(running, lambda state: (state[0] + 1, body(*state)), (jnp.int32(0), (x_BN, records)))[1]
 

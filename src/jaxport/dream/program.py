@@ -38,14 +38,16 @@ class GenerationOutput:
 RECORDS = ("history", "confidence", "x0", "n_transfer")
 
 
-def text_ended(span_BS, stop_ids, mask_token_id: int):
-    """Whether each row's text has ended, `[B]`: the first end-of-text or mask token of its generated span `[B, S]`
-    is an end-of-text, so every position before it is decided and its text, cut there, is final (a continuous
-    batch lets such a row leave; a static batch whose rows have all ended stops). numpy on the host, jnp traced."""
-    xp = np if isinstance(span_BS, np.ndarray) else jnp
-    stop_BS = xp.isin(span_BS, xp.asarray(sorted(stop_ids)))
-    first_B = xp.argmax(stop_BS | (span_BS == mask_token_id), axis=-1)
-    return xp.take_along_axis(stop_BS, first_B[:, None], axis=-1)[:, 0]
+def text_ended(x_BN, stop_BN, mask_token_id: int, text_start=0):
+    """Whether each row's text `x_BN[:, text_start:]` has ended, `[B]`: its first end-of-text (`stop_BN`, where
+    `x_BN` holds one) or mask token is an end-of-text, so every position before it is decided and its text, cut
+    there, is final (a continuous batch lets such a row leave; a static batch whose rows have all ended stops).
+    numpy on the host, jnp traced; `text_start` may be traced."""
+    xp = np if isinstance(x_BN, np.ndarray) else jnp
+    in_text_N = xp.arange(x_BN.shape[1]) >= text_start
+    stop_BN = stop_BN & in_text_N
+    first_B = xp.argmax(stop_BN | ((x_BN == mask_token_id) & in_text_N), axis=-1)
+    return xp.take_along_axis(stop_BN, first_B[:, None], axis=-1)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,7 @@ class EarlyStop:
     start: int
 
     def ended(self, x_BN, mask_token_id: int):
-        return text_ended(x_BN[:, self.start :], self.stop_ids, mask_token_id)
+        return text_ended(x_BN, jnp.isin(x_BN, jnp.asarray(sorted(self.stop_ids))), mask_token_id, self.start)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ def generated_ids(span: np.ndarray, stop_ids: set[int], mask_token_id: int) -> t
     span = np.asarray(span)
     ends = np.isin(span, [*stop_ids, mask_token_id])
     length = int(np.argmax(ends)) if ends.any() else len(span)
-    ended = bool(text_ended(span[None], stop_ids, mask_token_id)[0])
+    ended = bool(text_ended(span[None], np.isin(span[None], list(stop_ids)), mask_token_id)[0])
     return span[:length].tolist(), ended, length < len(span) and not ended
 
 
