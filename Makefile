@@ -23,7 +23,7 @@ lock:
 		--no-emit-find-links -o $(LOCK) pyproject.toml
 	rm -rf .lock-venv
 
-.PHONY: demo test lint bench lock
+.PHONY: demo test check lint bench lock
 demo: $(VENV)/.installed
 	$(VENV)/bin/jaxport trm demo
 
@@ -31,6 +31,11 @@ demo: $(VENV)/.installed
 # `jaxport` subprocesses or compile, so two halves overlap well even on two cores.
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+
+# The edit loop's check, under 3 minutes on two cores: the linters, then the tests not marked `slow` (those
+# that compile big programs, start `jaxport` processes or servers, or train). `make test` stays the whole suite.
+check: lint
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

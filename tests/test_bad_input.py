@@ -626,6 +626,7 @@ def test_the_table_covers_the_issue():
     assert {name.split("/")[0] for name in CASES} == {"trm", "gpt", "dream"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_gives_one_clear_error(name, results):
     result, before, places, watched = results[name]

@@ -239,6 +239,7 @@ def test_the_models_choose_for_the_target_while_tracing():
 # -- the compiled program read back
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_loops_collectives_and_flops_read_from_the_compiled_program():
     """A 5-step scan of a sharded product: XLA's cost analysis takes its body once, the report all five times; the
@@ -271,6 +272,7 @@ def test_loops_collectives_and_flops_read_from_the_compiled_program():
     assert 0 < report.needed < report.hbm
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_attention_on_a_tpu_recomputes_its_scores_in_the_backward_pass():
     """A TPU's runtime recomputes each attention's [B, H, S, T] scores in the backward pass instead of keeping them:
@@ -305,6 +307,7 @@ def test_attention_on_a_tpu_recomputes_its_scores_in_the_backward_pass():
     assert recomputed <= kept - 2 * scores, (recomputed, kept, scores)
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_block_remat_keeps_each_blocks_input_alone_on_a_tpu():
     """remat=block (`runtime.remat_block`): compiled for a TPU v2 core, the gradient of eight blocks keeps each block's
@@ -339,6 +342,7 @@ def test_block_remat_keeps_each_blocks_input_alone_on_a_tpu():
     assert recomputed <= min(kept, dots) - layers // 2 * hidden, (recomputed, kept, dots, hidden)
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_tpus_that_run_mosaic_kernels_attend_through_the_splash_kernel():
     """A v5e's runtime chooses Pallas's splash kernel, a v2's and a v3's XLA's ops (and the report says why); GPT's
@@ -362,6 +366,7 @@ def test_tpus_that_run_mosaic_kernels_attend_through_the_splash_kernel():
 # -- each family's command
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_gpt_train_compiles_for_a_tpu_slice(tmp_path):
     n_layer, n_head, n_embd, block, batch, vocab = 2, 4, 256, 128, 4, 50304
@@ -385,6 +390,7 @@ def collective_bytes(text: str) -> dict[str, float]:
     return {kind: float(n) * BYTES[unit] for kind, n, unit in found}
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_gpt_fsdp_moves_the_weights_not_the_batch(tmp_path):
     """FSDP gathers each weight (in the compute dtype, for the forward and again for the backward) and
@@ -405,6 +411,7 @@ def test_gpt_fsdp_moves_the_weights_not_the_batch(tmp_path):
     assert sum(moved.values()) <= 8 * params, (moved, 8 * params, report["text"])
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_program_too_large_names_the_mesh_that_fits(tmp_path):
     """2.3 GB of float32 weights, with their AdamW moments and gradients, do not fit a v2 core's 8 GiB; FSDP over the 8
@@ -430,6 +437,7 @@ def trm_dataset(tmp_path: Path, seq_len: int, vocab: int) -> Path:
     return data.parent
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_trm_train_compiles_from_the_dataset_metadata_alone(tmp_path):
     seq_len, vocab = 64, 11
@@ -451,6 +459,7 @@ def test_trm_train_compiles_from_the_dataset_metadata_alone(tmp_path):
     assert not (tmp_path / "run").exists(), "no run folder"
 
 
+@pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("mixer", ["mlp_t", "attention"])
 def test_trm_step_keeps_each_devices_rows_on_a_slice(tmp_path, mixer):
@@ -500,6 +509,7 @@ def dream_params(D: int, inter: int, layers: int, heads: int, kv_heads: int, voc
 DREAM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_dream_train_compiles_from_config_and_tokenizer_alone(tmp_path):
     model = dream_folder(tmp_path, **DREAM)
@@ -515,6 +525,7 @@ def test_dream_train_compiles_from_config_and_tokenizer_alone(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_dream_generate_and_serve_compile_their_programs(tmp_path):
     """One decoding step with every position of the canvas but the prompt masked: the work of upstream's

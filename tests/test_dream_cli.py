@@ -11,6 +11,7 @@ from jaxport import cli, dream
 CASE = Path(__file__).parent / "fixtures" / "dream" / "tiny_sharded"
 
 
+@pytest.mark.slow
 def test_generate_batch_from_jsonl_matches_recorded_tokens(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -48,6 +49,7 @@ def test_generate_batch_from_jsonl_matches_recorded_tokens(tmp_path, capsys):
     assert "batch 1: step 8/8" in captured.err
 
 
+@pytest.mark.slow
 def test_generate_watch_and_chat(capsys):
     code = cli.main(
         [
@@ -102,6 +104,7 @@ def test_generate_errors(capsys, args, message):
     assert err.startswith("jaxport dream: error:") and message in err
 
 
+@pytest.mark.slow
 def test_bench_random_init(capsys):
     code = cli.main(
         [

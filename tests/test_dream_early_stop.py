@@ -53,6 +53,7 @@ def _same_up_to_the_first_end(stopped, full, prompt_len: int, tokenizer):
         np.testing.assert_array_equal(stopped[row, : prompt_len + end + 1], full[row, : prompt_len + end + 1])
 
 
+@pytest.mark.slow
 def test_text_ended_is_the_first_end_or_mask_being_an_end():
     mask, stop = 9, [0, 7]
     span = np.array([[1, 0, 9], [1, 9, 0], [9, 9, 9], [1, 2, 3], [7, 9, 9]])
@@ -70,6 +71,7 @@ def test_text_ended_is_the_first_end_or_mask_being_an_end():
     assert not np.asarray(text_ended(jnp.asarray(span), jnp.zeros(10, bool)[span], mask, jnp.int32(0))).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 4], ids=["alone", "batched"])
 def test_block_wise_stops_after_the_block_where_every_text_ended(task_model, rows):
     model, tokenizer = task_model
@@ -88,6 +90,7 @@ def test_block_wise_stops_after_the_block_where_every_text_ended(task_model, row
     assert dream.generate(model, tokenizer, PROMPTS[:rows], **FAST) == texts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 4], ids=["alone", "batched"])
 def test_exact_path_stops_after_the_step_where_every_text_ended(task_model, rows):
     model, tokenizer = task_model
@@ -111,6 +114,7 @@ def test_exact_path_stops_after_the_step_where_every_text_ended(task_model, rows
     )
 
 
+@pytest.mark.slow
 def test_a_static_batch_ends_with_the_block_where_every_text_ended(task_model):
     """The server's static batch (`generate_canvases`): its last canvas is final, and each row's text (`RowText`,
     which a continuous batch reads too) is the full decoding's, finished by end-of-text."""
@@ -142,6 +146,7 @@ def test_the_cli_flag_no_early_stop_turns_it_off():
     assert _generation_args(_parser().parse_args([*args, "--no-early-stop"]))["early_stop"] is False
 
 
+@pytest.mark.slow
 def test_where_early_stop_is_off(task_model):
     """Off without end-of-text ids, with `early_stop=False`, under `schedule="fastdllm"` (Fast-dLLM decodes every
     block), with per-step records and with a tokens hook; bad ids and settings are named."""

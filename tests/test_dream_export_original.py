@@ -16,11 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 REF_PY, REF_DREAM = os.environ.get("REF_PY"), os.environ.get("REF_DREAM")
 
-pytestmark = pytest.mark.skipif(
-    not (REF_PY and REF_DREAM),
-    reason="the original Dream code needs the originals' Python: REF_PY/REF_DREAM unset (eval \"$(../shared/"
-    'originals/setup)" first; .ci/run does)',
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (REF_PY and REF_DREAM),
+        reason="the original Dream code needs the originals' Python: REF_PY/REF_DREAM unset (eval \"$(../shared/"
+        'originals/setup)" first; .ci/run does)',
+    ),
+]
 
 
 def test_original_code_loads_jaxport_exports_with_the_same_logits():

@@ -51,6 +51,7 @@ def refreshed(model, inputs, **kwargs):
     return {name: np.asarray(getattr(out, name)) for name in RECORDS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["maskgit_plus_s5", "topk_margin_s16_topp09_topk20"])
 def test_one_block_without_cache_gives_the_recorded_tokens(model, inputs, name):
     """block_length = max_new_tokens, no cache, no threshold: upstream's recorded generation, step by step."""
@@ -69,6 +70,7 @@ def test_one_block_without_cache_gives_the_recorded_tokens(model, inputs, name):
         np.testing.assert_array_equal(out[field], expected[f"gen__{name}__{field}"], err_msg=field)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setting",
     [
@@ -86,6 +88,7 @@ def test_one_block_without_cache_is_the_exact_path(model, inputs, setting):
         np.testing.assert_array_equal(blocks[name], exact[name], err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setting",
     [
@@ -106,6 +109,7 @@ def test_cache_refreshed_every_step_equals_cache_free(model, inputs, setting):
     assert not (free["sequences"] == model.config.mask_token_id).any()
 
 
+@pytest.mark.slow
 def test_cached_window_forward_equals_the_full_forward(model, inputs):
     """The KV-cache forward of a window, with a cache from the same canvas, gives the full forward's states."""
     ids = np.concatenate([inputs[0], np.full((2, 16), model.config.mask_token_id, np.int32)], axis=1)
@@ -121,6 +125,7 @@ def test_cached_window_forward_equals_the_full_forward(model, inputs):
     np.testing.assert_allclose(k_window, k_full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_blocks_fill_left_to_right_and_threshold_unmasks_in_parallel(model, inputs):
     L, M = inputs[0].shape[1], model.config.mask_token_id
     out = generate(model, inputs, max_new_tokens=16, steps=16, alg="maskgit_plus", block_length=4, threshold=0.2)
@@ -140,6 +145,7 @@ def test_blocks_fill_left_to_right_and_threshold_unmasks_in_parallel(model, inpu
     assert (n_transfer > 1).any() and (n_transfer == 0).any()  # parallel steps, and blocks that ended early
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "alg, fast",
     [
@@ -172,6 +178,7 @@ def test_saturated_confidence_ties_unmask_leftmost_first(model, inputs, alg, fas
     np.testing.assert_array_equal(alone["sequences"][0], out["sequences"][row])
 
 
+@pytest.mark.slow
 def test_generate_blocks_streams_each_block(model, inputs):
     kwargs = dict(max_new_tokens=16, steps=8, alg="entropy", block_length=4, cache="dual", threshold=0.3)
     blocks = list(dream.generate_blocks(model, *inputs, **kwargs))
@@ -185,6 +192,7 @@ def test_generate_blocks_streams_each_block(model, inputs):
     np.testing.assert_array_equal(np.asarray(blocks[-1].output.sequences), np.asarray(whole.sequences))
 
 
+@pytest.mark.slow
 def test_tokens_hook_and_progress_block_wise(model, inputs):
     L = inputs[0].shape[1]
     calls, progress = [], []
@@ -244,6 +252,7 @@ def test_prompt_masks_need_the_exact_path(model, inputs):
         model.diffusion_generate(ids, inputs[1], max_new_tokens=16, steps=8, block_length=8)
 
 
+@pytest.mark.slow
 def test_text_in_text_out(loaded):
     model, tokenizer = loaded
     chat = [{"role": "user", "content": "Add two numbers."}]
@@ -262,6 +271,7 @@ def test_text_in_text_out(loaded):
         dream.generate(model, tokenizer, [], max_new_tokens=16)
 
 
+@pytest.mark.slow
 def test_cli_fast_flags(capsys):
     args = [
         "dream",
@@ -366,6 +376,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_cache_on_a_mesh_of_eight_devices(model, inputs):
     """On a (data 2, model 4) mesh the refreshed cache equals the cache-free path, whose tokens equal one device's."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -381,6 +392,7 @@ def test_cache_on_a_mesh_of_eight_devices(model, inputs):
     np.testing.assert_array_equal(np.asarray(report["maskgit_dual_tokens"]), np.asarray(one_device.sequences))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast", [{}, dict(block_length=8, cache="dual", threshold=0.3)], ids=["exact", "block-wise"])
 def test_a_prompt_that_fills_its_bucket_decodes_alone_as_beside_a_shorter_one(loaded, fast):
     """A prompt as long as its bucket has an all-ones attention mask unless a shorter prompt pads its batch. The
@@ -398,6 +410,7 @@ def test_a_prompt_that_fills_its_bucket_decodes_alone_as_beside_a_shorter_one(lo
         np.testing.assert_array_equal(np.asarray(one.sequences)[0], np.asarray(out.sequences)[0])
 
 
+@pytest.mark.slow
 def test_a_running_batch_runs_at_the_smallest_size_that_holds_its_rows(loaded):
     """Rows joining and leaving a running batch (continuous batching) at block boundaries: each call gathers the
     occupied slots into the smallest compiled batch size, and each row gets `diffusion_generate`'s tokens alone."""

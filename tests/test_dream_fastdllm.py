@@ -51,6 +51,7 @@ def free_each_cases_programs():
     free_compiled_programs()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_tokens_fastdllm_produced(name):
     """jaxport decodes at Fast-dLLM's largest batch size of the case, whose rows are then compared with what
@@ -102,6 +103,7 @@ def test_the_fixture_is_current():
         assert sorted(case["generated"]) == sorted(map(str, batches)) and case["rows"] == rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["random_entropy_prefix_128_s64", "random_entropy_dual_128_s64"])
 def test_the_cache_is_an_approximation_fastdllm_shares(name):
     """Fast-dLLM's tokens need jaxport's cache as it is: neither a fresh cache (refreshed every step, or none),
@@ -120,6 +122,7 @@ def test_the_cache_is_an_approximation_fastdllm_shares(name):
     assert not (refreshed[:, ids.shape[1] :][rows] == expected[rows]).all(axis=1).any()
 
 
+@pytest.mark.slow
 def test_later_steps_attend_to_the_window_fresh_keys_and_values():
     """A cached forward writes its window's keys and values into the cache and attends over them: what the cache
     held at the window's positions does not matter, what it holds elsewhere does, and the cache it returns holds

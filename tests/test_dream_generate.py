@@ -43,6 +43,7 @@ def run(model, inputs, setting, **extra):
     return model.diffusion_generate(inputs["input_ids"], inputs["attention_mask"], **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_recorded_generation(model, data, name):
     inputs, expected = data
@@ -66,6 +67,7 @@ def test_recorded_generation(model, data, name):
     np.testing.assert_allclose(conf[finite], want["confidence"][finite], atol=tol["atol"], rtol=tol["rtol"])
 
 
+@pytest.mark.slow
 def test_logits_hook_sees_the_shifted_logits(model, data):
     """The logits hook gets upstream's shifted [B, N, V] logits; recorded at canvas columns per step."""
     inputs, expected = data
@@ -86,6 +88,7 @@ def test_logits_hook_sees_the_shifted_logits(model, data):
     )
 
 
+@pytest.mark.slow
 def test_tokens_hook_controls_the_canvas(model, data):
     inputs, _ = data
     L = inputs["input_ids"].shape[1]
@@ -110,6 +113,7 @@ def test_tokens_hook_controls_the_canvas(model, data):
     assert not (np.asarray(out.sequences) == model.config.mask_token_id).any()
 
 
+@pytest.mark.slow
 def test_prompt_masks_are_filled_like_the_full_canvas(model, data):
     """Mask tokens inside the prompt are denoised too; the windowed path equals the full one."""
     inputs, _ = data
@@ -124,6 +128,7 @@ def test_prompt_masks_are_filled_like_the_full_canvas(model, data):
     assert not (np.asarray(windowed.sequences) == model.config.mask_token_id).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -154,6 +159,7 @@ def test_random_algorithms(model, data, kwargs):
         assert np.asarray(a.n_transfer)[:, 0].tolist() == SETTINGS["entropy_s8"]["n_transfer_row0"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast", [{}, dict(block_length=8, cache="dual", threshold=[None, 0.6])])
 def test_sampling_settings_per_row(model, data, fast):
     """Per-row settings and keys in one program: each row gets what it gets alone with its own settings and key;
@@ -244,6 +250,7 @@ def test_bad_input_ids(model):
         model.diffusion_generate(np.array([[1, 2]]), np.ones((1, 3)), max_new_tokens=4, steps=2)
 
 
+@pytest.mark.slow
 def test_bfloat16_generation():
     """bf16 runs end to end (upstream's bf16 sampler ties make token parity unrecordable, see case.json)."""
     model = dream.load(CASE.parent / "tiny_bf16" / "model", dtype="bfloat16")[0]
@@ -256,6 +263,7 @@ def test_bfloat16_generation():
     np.testing.assert_array_equal(np.asarray(out.n_transfer)[:, 0], SETTINGS["entropy_s8"]["n_transfer_row0"])
 
 
+@pytest.mark.slow
 def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
     """On a CPU the compiled decoding loop runs each YNNPACK fusion on one dot: XLA's default also pulls the
     sampler's softmax reductions into YNNPACK fusions, which slows the vocabulary projection that feeds them."""
@@ -271,6 +279,7 @@ def test_decoding_program_keeps_reductions_out_of_dot_fusions(model, data):
     assert all("/dot_general" in line for line in fused), [line[:200] for line in fused if "/dot_general" not in line]
 
 
+@pytest.mark.slow
 def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
     """A greedy generation compiles without the whole-vocabulary filter and the categorical draw (their buffers and
     compile time); a top-p one holds the filter's bisection over the vocabulary, a top-k one a partial sort and, on a
@@ -307,6 +316,7 @@ def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
     assert compiled(top_k=[None, 200])[0] == Branches(draw=False, filters=2)
 
 
+@pytest.mark.slow
 def test_the_categorical_draw_follows_the_probabilities_and_never_draws_a_zero():
     """The sampler's draw (the inverse of the cumulative distribution, one uniform per row): over 40,000 keys each
     token's frequency is within 4 standard errors of its probability, and tokens of probability 0 (filtered out,
@@ -342,6 +352,7 @@ def _filters_reference(logits_V: np.ndarray, top_p: float, top_k: int) -> np.nda
     return remove
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("large", [False, True], ids=["small vocabulary", "chunked vocabulary"])
 def test_sampling_filters_match_a_sorted_reference_row_by_row(large):
     """Top-p and top-k read off a partial sort (on a large vocabulary, of the chunks holding the largest logits), or

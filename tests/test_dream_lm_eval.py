@@ -41,6 +41,7 @@ def _score(context: str, continuation: str) -> Instance:
     return Instance("loglikelihood", {}, (context, continuation), 0)
 
 
+@pytest.mark.slow
 def test_sort_task_through_the_cli(tmp_path):
     """`jaxport dream eval` with lm-eval's own arguments: random-order exact decoding (as
     bench/dream_task_eval.py) solves at least 90% of the held-out problems, the figure lm-eval prints."""
@@ -84,6 +85,7 @@ def test_sort_task_through_the_cli(tmp_path):
     assert sorted(s["doc"]["prompt"] for s in logged) == sorted(p.prompt for p in problems)
 
 
+@pytest.mark.slow
 def test_multiple_choice_through_simple_evaluate():
     """The right answer among four candidates, by Dream's Monte-Carlo log-likelihood: at least 90%. The
     continuation sits in the 128-token span of end-of-text the test model was trained on."""
@@ -99,6 +101,7 @@ def test_multiple_choice_through_simple_evaluate():
     assert scores["acc,none"] >= 0.9, scores
 
 
+@pytest.mark.slow
 def test_generate_until_is_jaxport_decoding_cut_at_until(lm):
     """`generate_until` gives `tasks.evaluate`'s completions (the same batches, padding and decoding) of the full
     decoding (its own stops early), each cut at its request's until strings, and the whole text with
@@ -117,6 +120,7 @@ def test_generate_until_is_jaxport_decoding_cut_at_until(lm):
         lm.escape_until = False
 
 
+@pytest.mark.slow
 def test_loglikelihood_is_seeded_and_independent_of_batching(lm):
     problem = tasks.demo_test_problems(1)[0]
     requests = [_score(problem.prompt, problem.answer), _score(problem.prompt, problem.answer[::-1])]
@@ -138,6 +142,7 @@ def test_loglikelihood_is_seeded_and_independent_of_batching(lm):
     assert other[0] != pytest.approx(first[0], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pad_continuation", [False, True])
 def test_loglikelihood_padded_batches_equal_each_request_alone(lm, pad_continuation):
     """A short request batched (left-padded) with a long one scores what its Monte-Carlo samples score

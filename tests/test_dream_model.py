@@ -36,6 +36,7 @@ def test_config_from_checkpoint(model):
     assert model.layers[0].self_attn.q_proj.bias is not None and model.layers[0].self_attn.o_proj.bias is None
 
 
+@pytest.mark.slow
 def test_padded_logits_and_hidden_states(model, expected):
     valid = expected["valid_positions"]
     logits, states = model(expected["sampler_input_ids"], valid.astype(np.int32), output_hidden_states=True)
@@ -47,6 +48,7 @@ def test_padded_logits_and_hidden_states(model, expected):
     assert np.isfinite(np.asarray(logits)).all()
 
 
+@pytest.mark.slow
 def test_explicit_4d_mask_and_position_ids(model, expected):
     valid = expected["valid_positions"]
     logits = model(
@@ -61,6 +63,7 @@ def test_explicit_4d_mask_and_position_ids(model, expected):
     )
 
 
+@pytest.mark.slow
 def test_hidden_states_at_rows_match_the_full_forward(model, expected):
     """Exact decoding runs the last layer's queries and MLP at the positions it scores only: the same states, and
     upstream's logits there, with a padding mask and for rows in any order, repeated, per batch row."""
@@ -88,6 +91,7 @@ def test_hidden_states_at_rows_match_the_full_forward(model, expected):
     )
 
 
+@pytest.mark.slow
 def test_unpadded_logits(model, expected):
     longest = expected["sampler_input_ids"][:1]
     np.testing.assert_allclose(
@@ -101,6 +105,7 @@ def test_unpadded_logits(model, expected):
     )
 
 
+@pytest.mark.slow
 def test_bfloat16_checkpoint():
     expected = np.load(BF16 / "expected.npz")
     valid = expected["valid_positions"]
@@ -119,6 +124,7 @@ def test_bfloat16_checkpoint():
     )
 
 
+@pytest.mark.slow
 def test_single_file_checkpoint(tmp_path, expected):
     """`model.safetensors` without an index (written by safetensors from the shards)."""
     from safetensors.numpy import load_file, save_file
@@ -191,6 +197,7 @@ def test_missing_tensor(tmp_path):
         dream.load(model_dir)
 
 
+@pytest.mark.slow
 def test_random_init_preset():
     model = dream.random_model(dream.preset("tiny"), dtype="bfloat16")
     logits = model(np.arange(10, dtype=np.int32)[None])
@@ -199,6 +206,7 @@ def test_random_init_preset():
         dream.preset("huge")
 
 
+@pytest.mark.slow
 def test_tied_word_embeddings(tmp_path, expected):
     """tie_word_embeddings: no lm_head tensor is read; logits are the final state times the embedding."""
     model_dir = copy_model(tmp_path)

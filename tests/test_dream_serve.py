@@ -24,6 +24,8 @@ from jaxport import dream
 from jaxport.errors import JaxportError
 from jaxport.runtime import compile_for
 
+pytestmark = pytest.mark.slow
+
 MODEL = Path(__file__).parent / "fixtures" / "dream" / "tiny_bf16" / "model"
 NAME = "tiny-dream"
 PROMPTS = ["def add(a, b):", "Write a quicksort in Python.", "import numpy as np", "class Stack:"]

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 SOAK = Path(__file__).resolve().parents[1] / "bench" / "dream_serve_soak.py"
 
 

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 CASE = Path(__file__).parent / "fixtures" / "dream" / "tiny_sharded"
 
 SCRIPT = r"""

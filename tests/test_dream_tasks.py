@@ -25,6 +25,7 @@ def demo_data(tmp_path_factory) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_recipe_splits_hold_new_orders_and_answers_never_trained_on(demo_data):
     train = demo_data["train"]
     assert len(train) == tasks.DEMO_TRAIN_PROBLEMS
@@ -82,6 +83,7 @@ def solved(task_model, split: str, count: int = 64) -> tuple[dict, list]:
     return scores, [(p.prompt, p.answer, c) for p, c in zip(problems, completions) if c != p.answer]
 
 
+@pytest.mark.slow
 def test_task_model_solves_held_out_problems(task_model):
     """The fixture model (RECIPE.md beside it), decoded exactly in upstream's default random order: README's
     headline, new orders of trained answers (100% of 256), and answers it never saw (89.1% of 256; a model

@@ -80,6 +80,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 # ----- the objective
 
 
+@pytest.mark.slow
 def test_prompt_and_padding_are_never_masked():
     response = np.zeros((4, 12), bool)
     response[:, 5:] = True
@@ -95,6 +96,7 @@ def test_prompt_and_padding_are_never_masked():
     np.testing.assert_array_equal(np.asarray(masked), response)
 
 
+@pytest.mark.slow
 def test_loss_is_one_over_t_weighted_and_normalised_per_response_token():
     rng = np.random.default_rng(0)
     B, L, V = 3, 7, 11
@@ -208,6 +210,7 @@ def trained(workdir, tmp_path_factory) -> dict:
     return {"out": out / "run", **result}
 
 
+@pytest.mark.slow
 def test_training_reduces_the_loss_and_leaves_a_run_folder(trained):
     run = trained["out"]
     curve = losses(run)
@@ -220,6 +223,7 @@ def test_training_reduces_the_loss_and_leaves_a_run_folder(trained):
     assert sample["step"] == 30 and isinstance(sample["completion"], str)
 
 
+@pytest.mark.slow
 def test_export_loads_with_the_same_logits(trained, tmp_path):
     export_dir = Path(trained["export_dir"])
     index = json.loads((export_dir / "model.safetensors.index.json").read_text())  # 40KB shards
@@ -244,6 +248,7 @@ def test_export_loads_with_the_same_logits(trained, tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(fresh(ids)))
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_master_weights(workdir, trained, tmp_path):
     result = train_lib.train(**tiny_options(workdir, tmp_path / "bf16", steps=3, samples=0, dtype="bfloat16"))
     first_f32, first_bf16 = losses(trained["out"])[1], losses(tmp_path / "bf16")[1]  # same weights, batch, masks
@@ -252,6 +257,7 @@ def test_bfloat16_compute_keeps_float32_master_weights(workdir, trained, tmp_pat
     assert w.dtype == np.float32 and (w.astype(jnp.bfloat16).astype(np.float32) != w).any()  # not rounded to bf16
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_naming_the_last_good_checkpoint(workdir, tmp_path):
     options = tiny_options(
         workdir, tmp_path / "run", steps=6, save_every=1, samples=0, lr=1e38, warmup_steps=0, grad_clip=0.0
@@ -298,6 +304,7 @@ def _train_command(workdir: Path, out_dir: Path, steps: int) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_repeats_the_uninterrupted_losses(workdir, tmp_path):
     steps = 300
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -332,6 +339,7 @@ train.train(**json.loads(sys.argv[1]))
 """
 
 
+@pytest.mark.slow
 def test_eight_devices_fsdp_and_tensor_parallel_match_one_device(workdir, tmp_path):
     options = tiny_options(workdir, tmp_path / "one", steps=4, samples=0, grad_accum=2)
     train_lib.train(**options)

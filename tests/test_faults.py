@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).parents[1] / "tools" / "faults.py"
 JAXPORT = [sys.executable, "-m", "jaxport.cli"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", ["trm", "gpt"])
 def test_kill_and_resume_reproduces_the_trajectory(family, tmp_path):
     done = subprocess.run(
@@ -66,7 +67,6 @@ for _ in range(repeats):
 """
 
 
-@pytest.mark.slow
 def test_a_truncated_array_file_is_skipped_in_one_line_and_nothing_else_reaches_the_terminal(tmp_path):
     """orbax's other reads, still in flight when one array's read fails, used to print their own tracebacks now and
     then (asyncio's "_GatheringFuture exception was never retrieved", and their coroutines closed after orbax's event

@@ -42,6 +42,7 @@ def with_mask_buffers(state_dict: dict, block_size: int) -> collections.OrderedD
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_attention_mask_buffers_are_ignored_on_load(name, tmp_path):
     ckpt = torch.load(FIXTURES / name / "ckpt.pt", map_location="cpu", weights_only=True)
@@ -131,6 +132,7 @@ def test_written_checkpoint_has_nanogpts_layout(name, tmp_path):
     assert ckpt["iter_num"] == original["iter_num"]
 
 
+@pytest.mark.slow
 def test_train_and_export_write_nanogpts_layout(tmp_path, monkeypatch):
     """`jaxport gpt train` on data with the fixture's 59-character vocabulary, then `jaxport gpt export`."""
     name = "nanogpt_ckpt"

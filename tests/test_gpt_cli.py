@@ -54,6 +54,7 @@ def workdir(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_readme_cpu_config_trains_resumes_and_samples(workdir, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
     short = ["--max_iters=4", "--eval_interval=2", "--eval_iters=2", "--progress=False"]
@@ -116,6 +117,7 @@ def test_readme_cpu_config_trains_resumes_and_samples(workdir, monkeypatch, caps
     assert all(s.startswith("ROMEO:") and len(s) == len("ROMEO:") + 70 + 1 for s in samples[:2])
 
 
+@pytest.mark.slow
 def test_finetune_gpt2_from_local_hf_folder(tmp_path, monkeypatch, capsys):
     """finetune_shakespeare's recipe on the tiny GPT-2 fixture: from_pretrained, block cropped to 32."""
     (tmp_path / "gpt2dir").mkdir()
@@ -173,6 +175,7 @@ def test_finetune_gpt2_from_local_hf_folder(tmp_path, monkeypatch, capsys):
     assert "step 0: train loss" in out and "iter 0:" not in out and not (tmp_path / "out-eval" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
 def test_sample_py_greedy_text(tmp_path, monkeypatch, capsys):
     case_dir = FIXTURES / "nanogpt_ckpt"
     e, x = np.load(case_dir / "expected.npz"), np.load(case_dir / "inputs.npz")

@@ -34,6 +34,7 @@ def ckpt_case(request):
     return c, gpt.GPT.from_checkpoint(c.dir / "ckpt.pt")
 
 
+@pytest.mark.slow
 def test_forward_logits_and_losses(ckpt_case):
     c, model = ckpt_case
     tol, x, e = c.case["tolerances"], c.inputs, c.expected
@@ -60,6 +61,7 @@ def last_logits(model, seqs, lengths):
     )
 
 
+@pytest.mark.slow
 def test_greedy_generation_crosses_block_size(ckpt_case):
     c, model = ckpt_case
     x, e, tol = c.inputs, c.expected, c.case["tolerances"]
@@ -72,6 +74,7 @@ def test_greedy_generation_crosses_block_size(ckpt_case):
     np.testing.assert_array_equal(e["gen_greedy_context_len"], np.minimum(P + np.arange(n), model.config.block_size))
 
 
+@pytest.mark.slow
 def test_sampling_distribution(ckpt_case):
     c, model = ckpt_case
     x, e, tol = c.inputs, c.expected, c.case["tolerances"]
@@ -81,6 +84,7 @@ def test_sampling_distribution(ckpt_case):
         close(gpt.sample_probs(logits[i], 0.8, 5), e["sample_probs"][i], tol["sample_probs"])
 
 
+@pytest.mark.slow
 def test_kv_cache_sampling_equals_full_recomputation(ckpt_case):
     _, model = ckpt_case
     prompt = np.asarray(ckpt_case[0].inputs["prompt"])
@@ -98,6 +102,7 @@ def test_kv_cache_sampling_equals_full_recomputation(ckpt_case):
     np.testing.assert_array_equal(tokens, seq)
 
 
+@pytest.mark.slow
 def test_generate_within_block_size_uses_only_the_cache():
     c = load_case("nanogpt_ckpt")
     model = gpt.GPT.from_checkpoint(c.dir / "ckpt.pt")
@@ -108,6 +113,7 @@ def test_generate_within_block_size_uses_only_the_cache():
     np.testing.assert_array_equal(np.asarray(tokens)[:, 1:], np.argmax(full, -1))
 
 
+@pytest.mark.slow
 def test_generate_from_prompt_longer_than_block_size():
     c = load_case("nanogpt_ckpt")
     model = gpt.GPT.from_checkpoint(c.dir / "ckpt.pt")
@@ -150,6 +156,7 @@ def test_device_peak_flops(kind, peak):
     assert gpt.device_peak_flops(SimpleNamespace(device_kind=kind)) == (peak, kind)
 
 
+@pytest.mark.slow
 def test_crop_block_size():
     c = load_case("nanogpt_ckpt")
     model = gpt.GPT.from_checkpoint(c.dir)  # a folder holding ckpt.pt works too
@@ -166,6 +173,7 @@ def test_crop_block_size():
         model.crop_block_size(64)
 
 
+@pytest.mark.slow
 def test_dropout_only_with_rng():
     model = gpt.GPT.init(gpt.GPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=16, dropout=0.5))
     idx = np.arange(24).reshape(2, 12) % 40
@@ -215,6 +223,7 @@ def hf_case():
     return load_case("hf_gpt2_tiny")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hf", "hf_hub_layout"])
 def test_from_pretrained_matches_nanogpt(hf_case, layout):
     c, x, e, tol = hf_case, hf_case.inputs, hf_case.expected, hf_case.case["tolerances"]

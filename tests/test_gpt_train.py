@@ -82,6 +82,7 @@ def compiled_step_text(trainer) -> str:
     return trainer._step.lower(*args).compile().as_text()
 
 
+@pytest.mark.slow
 def test_resume_two_iterations_match_nanogpt(resumed):
     """Small products compile as YNNPACK fusions of one dot each, and the LayerNorm, softmax and loss
     reductions stay plain reductions (XLA:CPU's windowed rewrite of them is slower)."""
@@ -97,6 +98,7 @@ def test_resume_two_iterations_match_nanogpt(resumed):
     assert_matches_nanogpt(resumed)
 
 
+@pytest.mark.slow
 def test_large_step_compiles_without_ynnpack_dots_and_still_matches_nanogpt(tmp_path, monkeypatch):
     """A step with LARGE_MATMUL_ROWS rows or more (GPT's train_shakespeare_char step) compiles its float32 dots
     outside YNNPACK on a CPU, the faster path there; the fixture's rows stand in for a large step here."""
@@ -110,6 +112,7 @@ def test_large_step_compiles_without_ynnpack_dots_and_still_matches_nanogpt(tmp_
     assert_matches_nanogpt(resumed)
 
 
+@pytest.mark.slow
 def test_written_checkpoint_matches_nanogpt_layout(resumed, tmp_path):
     case, cfg, trainer, lrs, losses, norms, ckpt = resumed
     save_torch_file(ckpt, tmp_path / "ckpt.pt")
@@ -127,6 +130,7 @@ def test_written_checkpoint_matches_nanogpt_layout(resumed, tmp_path):
         assert {k: v.shape for k, v in ours["optimizer"]["state"][i].items()} == {k: v.shape for k, v in entry.items()}
 
 
+@pytest.mark.slow
 def test_written_checkpoint_loads_in_torch_adamw(resumed, tmp_path):
     """nanoGPT's resume calls optimizer.load_state_dict on our file: check torch accepts it and steps."""
     torch = pytest.importorskip("torch")
@@ -147,6 +151,7 @@ def test_written_checkpoint_loads_in_torch_adamw(resumed, tmp_path):
     assert float(opt.state[decay[0]]["step"]) == 303.0
 
 
+@pytest.mark.slow
 def test_float16_dynamic_loss_scaling(tmp_path, monkeypatch):
     """float16 as nanoGPT's GradScaler: overflowing steps are skipped and halve the scale."""
     import jax.numpy as jnp
@@ -173,6 +178,7 @@ def test_float16_dynamic_loss_scaling(tmp_path, monkeypatch):
     assert float(trainer.loss_scale[0]) == 2.0**17 and int(trainer.loss_scale[1]) == 0  # grown
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_reduced_precision_iterations_match_nanogpt(dtype, tmp_path, monkeypatch):
     """nanoGPT's two resumed iterations as it runs them on a GPU with --dtype=bfloat16 or float16 (autocast,
@@ -241,6 +247,7 @@ DP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_data_parallel_and_fsdp_on_8_devices_equal_1_device(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
@@ -290,6 +297,7 @@ MULTIHOST_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_reproduce_nanogpt_resume(tmp_path):
     """2 processes x 2 CPU devices (jax.distributed over localhost), each loading half the rows."""
     import socket

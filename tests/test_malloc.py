@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc malloc tuning")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="glibc malloc tuning")]
 
 # The median over calls, not the mean: on these VMs (whose kernel runs DAMON page-out) two calls in a row now and then
 # fault a whole block of temporaries in again among calls that fault nothing, with the heap policy on; that rare

@@ -54,6 +54,7 @@ def test_rms_norm_in_float32(dtype):
     np.testing.assert_allclose(weighted(jnp.asarray(x)), want * np.arange(16.0), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_rotary_rotates_halves():
     B, S, H, D = 2, 7, 3, 8
     q = rng.normal(size=(B, S, H, D)).astype(np.float32)
@@ -67,6 +68,7 @@ def test_rotary_rotates_halves():
     np.testing.assert_allclose(apply_rotary(jnp.asarray(q), cos, sin), want.numpy(), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_matches_torch_sdpa_with_gqa_and_padding(causal):
     B, S, H, K, D = 2, 6, 4, 2, 8
@@ -85,6 +87,7 @@ def test_attention_matches_torch_sdpa_with_gqa_and_padding(causal):
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads_first", [False, True])
 @pytest.mark.parametrize("mask_kind", ["keys", "queries_and_keys", "per_head"])
 def test_masked_attention_and_its_gradients_match_torch(kv_heads_first, mask_kind):
@@ -120,6 +123,7 @@ def test_masked_attention_and_its_gradients_match_torch(kv_heads_first, mask_kin
         np.testing.assert_allclose(np.asarray(a), b.transpose(1, 2).detach().numpy(), atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unmasked_attention_and_its_gradients_match_torch_sdpa(dtype):
     """TRM's attention (no mask, no dropout, its own backward pass) against PyTorch's SDPA on the same
@@ -142,6 +146,7 @@ def test_unmasked_attention_and_its_gradients_match_torch_sdpa(dtype):
         )
 
 
+@pytest.mark.slow
 def test_unmasked_bfloat16_attention_rounds_where_torch_s_cpu_kernel_does():
     """In bfloat16 on both sides, against the kernel SDPA runs on a CPU (flash attention): the output and `dQ`
     round where PyTorch's do, so they equal its bits on most values (measured with torch 2.13: 9% and 25%
@@ -163,6 +168,7 @@ def test_unmasked_bfloat16_attention_rounds_where_torch_s_cpu_kernel_does():
         np.testing.assert_allclose(a, b, rtol=0, atol=np.abs(b).max() * 2.0**-7, err_msg=name)
 
 
+@pytest.mark.slow
 def test_attention_dropout_drops_probabilities_with_inverted_scaling():
     """Values are one-hot per key, so the output rows are the (dropped) attention probabilities."""
     B, S, H, D = 1, 4, 2, 4
@@ -177,6 +183,7 @@ def test_attention_dropout_drops_probabilities_with_inverted_scaling():
     np.testing.assert_array_equal(dot_product_attention(q, k, v, causal=True, dropout_rate=0.5), probs)  # no key: eval
 
 
+@pytest.mark.slow
 def test_dropout_rate_and_scale():
     x = jnp.ones((100_000,))
     y = np.asarray(dropout(x, 0.25, jax.random.key(0)))
@@ -185,6 +192,7 @@ def test_dropout_rate_and_scale():
     assert dropout(x, 0.25, None) is x and dropout(x, 0.0, jax.random.key(0)) is x
 
 
+@pytest.mark.slow
 def test_attention_module_fused_and_separate_projections_agree():
     fused = Attention(16, 4, num_kv_heads=2, qkv_bias=True, rngs=nnx.Rngs(0))
     split = Attention(16, 4, num_kv_heads=2, qkv_bias=True, fused_qkv=False, rngs=nnx.Rngs(1))
@@ -196,6 +204,7 @@ def test_attention_module_fused_and_separate_projections_agree():
     np.testing.assert_allclose(fused(x), split(x), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_swiglu_matches_torch_and_rounds_like_upstream():
     assert swiglu_intermediate_size(512, 4) == 1536
     assert swiglu_intermediate_size(64, 4) == 256
@@ -219,6 +228,7 @@ def test_silu_in_bfloat16_is_torch_s_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want.float().numpy())
 
 
+@pytest.mark.slow
 def test_gelu_is_torch_s_exact_gelu_forward_and_backward():
     """nanoGPT's `nn.GELU()`: the erf form in float32, and in bfloat16 computed in float32 and rounded once, as
     PyTorch's kernel does. Below x = -3, `1 + erf` cancels: PyTorch's kernel and this one each stay ~1e-6 from
@@ -239,6 +249,7 @@ def test_gelu_is_torch_s_exact_gelu_forward_and_backward():
     np.testing.assert_allclose(got16, want16, rtol=2**-7, atol=2e-6)  # one bfloat16 ulp, or the float32 error
 
 
+@pytest.mark.slow
 def test_linear_keeps_float32_params_and_casts_at_use():
     layer = Linear(8, 4, bias=True, rngs=nnx.Rngs(0))
     y = layer(jnp.ones((2, 3, 8), jnp.bfloat16))
@@ -296,6 +307,7 @@ def test_add_positions_is_the_broadcast_add_with_its_gradients():
     np.testing.assert_allclose(np.asarray(dpos), np.asarray(g).astype(np.float64).sum(0), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 def test_causal_attention_in_blocks_equals_the_full_product(rate, monkeypatch):
     """GPT's causal self-attention skips fully masked key blocks; the result (dropout mask included) is the
@@ -310,6 +322,7 @@ def test_causal_attention_in_blocks_equals_the_full_product(rate, monkeypatch):
     np.testing.assert_array_equal(np.asarray(blocked), np.asarray(full))
 
 
+@pytest.mark.slow
 def test_attention_on_a_gpu_takes_cudnns_fused_kernel_where_it_applies(monkeypatch):
     """On a GPU, 16-bit attention without mask or dropout goes to cuDNN's flash kernel (as SDPA on CUDA); the
     rest, and a cuDNN that refuses, get XLA's ops with one masked product, not the CPU's 64-query blocks."""
@@ -340,6 +353,7 @@ def test_attention_on_a_gpu_takes_cudnns_fused_kernel_where_it_applies(monkeypat
         np.testing.assert_array_equal(np.asarray(fallback), np.asarray(dot_product_attention(q, k, v, causal=True)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["causal", "padding mask", "unmasked"])
 def test_attention_recomputed_in_the_backward_pass_gives_the_same_values_and_gradients(case):
     """`remat="attention_scores"` (TPUs) is XLA's ops under `jax.checkpoint`: the same loss and gradients as with the
@@ -368,6 +382,7 @@ def test_attention_recomputed_in_the_backward_pass_gives_the_same_values_and_gra
         np.testing.assert_allclose(np.asarray(g), np.asarray(kept), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_linear_gradients_off_the_cpu_are_plain_products_without_layout_copies():
     """The row-major copies and barriers that keep XLA:CPU's bf16 weight gradients fast are CPU-only: on a GPU the
     backward is two plain products (the same values up to float order)."""
@@ -387,6 +402,7 @@ def test_bf16_linear_gradients_off_the_cpu_are_plain_products_without_layout_cop
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 def test_dropout_masks_are_independent_across_positions_and_keys():
     import importlib
 
@@ -398,6 +414,7 @@ def test_dropout_masks_are_independent_across_positions_and_keys():
         assert abs(np.corrcoef(x.ravel(), y.ravel())[0, 1]) < 0.01
 
 
+@pytest.mark.slow
 def test_row_chunks_compute_each_row_once_and_keep_row_order():
     from jaxport.nn.chunks import in_row_chunks
 
@@ -415,6 +432,7 @@ def test_row_chunks_compute_each_row_once_and_keep_row_order():
     assert in_row_chunks(lambda a: a + 1, 1, x).shape == x.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cross_entropy_matches_torch_and_its_gradient_needs_no_scatter(dtype):
     logits = rng.normal(size=(3, 5, 50)).astype(np.float32)

@@ -48,6 +48,7 @@ def uses_the_kernel(q, k, v, **options) -> bool:
     return "pallas_call" in str(jaxpr)
 
 
+@pytest.mark.slow
 def test_gpt_causal_self_attention():
     """nanoGPT's attention without dropout: causal, as many keys as queries (a block multiple)."""
     q, k, v = (normal(1, 128, 2, 32) for _ in range(3))
@@ -55,6 +56,7 @@ def test_gpt_causal_self_attention():
     assert_as_xla(q, k, v, causal=True)
 
 
+@pytest.mark.slow
 def test_dream_bidirectional_with_key_padding_and_grouped_kv_heads():
     """Dream's attention: 2 query heads on 1 KV head kept heads first, a key-padding mask (a row with no key at
     all gives zeros, as SDPA does), 96 positions padded to the kernel's 128."""
@@ -65,6 +67,7 @@ def test_dream_bidirectional_with_key_padding_and_grouped_kv_heads():
     assert_as_xla(q, k, v, mask=mask, kv_heads_first=True)
 
 
+@pytest.mark.slow
 def test_trm_short_sequence_padded_and_masked():
     """TRM's attention: bidirectional, no mask, a short sequence (Sudoku's 81 cells and 16 puzzle positions) that
     the kernel reads padded to 128, the padded keys masked."""
@@ -73,6 +76,7 @@ def test_trm_short_sequence_padded_and_masked():
     assert_as_xla(q, k, v)
 
 
+@pytest.mark.slow
 def test_fewer_queries_than_keys_forward():
     """Dream's fast decoding: a window of queries attending the whole canvas."""
     q, k, v = normal(1, 32, 2, 32), normal(1, 2, 160, 32), normal(1, 2, 160, 32)

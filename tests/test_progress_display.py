@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from jaxport.training.metrics_log import MetricsLog
 
 
@@ -58,6 +60,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_trm_steps_where_no_row_halted_log_null(tmp_path):
     """halt_max_steps=4 without exploration: rows halt on every 4th step only (q_halt starts at -5), so steps
     1-3 and 5-7 measure no accuracy; upstream logs 0 there, jaxport null."""
@@ -113,6 +116,7 @@ def test_trm_steps_where_no_row_halted_log_null(tmp_path):
             assert all(isinstance(row[k], float) for k in halted_row_metrics), row
 
 
+@pytest.mark.slow
 def test_a_run_imports_what_its_end_needs_on_a_thread_once(tmp_path):
     """`ImportAhead` (the training loop's): matplotlib's pyplot (the learning curves at close) and the modules named,
     loaded on one background thread, started once however often a loop calls it; a module that does not exist is

@@ -178,6 +178,7 @@ def tiny(family: str):
     return gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, remat",
     [("gpt", "attention_scores"), ("gpt", "block"), ("gpt", "save_dots"), ("trm", "block"), ("dream", "save_dots")],

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 SUITE = Path(__file__).resolve().parents[1] / "bench" / "suite.py"
 
 
@@ -16,7 +18,6 @@ def run_suite(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SUITE), *args], capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.slow
 def test_tiny_suite_reports_every_family_and_why_the_originals_did_not_run(tmp_path):
     proc = run_suite("--tiny", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

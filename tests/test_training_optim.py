@@ -39,6 +39,7 @@ def close(actual, expected, atol, rtol):
     np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64), atol=atol, rtol=rtol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ADAM_CASES)
 def test_adam_atan2_two_steps(case):
     e = load(case)
@@ -60,6 +61,7 @@ def test_adam_atan2_two_steps(case):
     assert checked >= len(names) + 4  # every parameter after step 2, the small ones after step 1
 
 
+@pytest.mark.slow
 def test_adam_atan2_schedule_and_inject_hyperparams():
     params = {"w": jnp.ones((3,))}
     grads = {"w": jnp.array([1.0, -2.0, 0.0])}
@@ -89,6 +91,7 @@ def test_sparse_sign_sgd_matches_upstream(case):
     close(new, e["signsgd/weights_after"], atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sparse_sign_sgd_duplicates_and_untouched_rows():
     w = np.arange(12, dtype=np.float32).reshape(6, 2)
     ids = np.array([4, 1, 4, 4], np.int32)
@@ -185,6 +188,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_sparse_sign_sgd_with_batch_sharded_over_8_devices():
     import os
     import subprocess

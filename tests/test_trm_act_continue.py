@@ -7,10 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import yaml
 from trm_fixtures import FIXTURES, arrays
 
 from jaxport import trm
+
+pytestmark = pytest.mark.slow
 
 
 def test_act_continue_targets_next_step(tmp_path):

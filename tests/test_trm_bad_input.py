@@ -72,6 +72,7 @@ def test_checkpoint_of_another_architecture(run_dir):
         load(run_dir)
 
 
+@pytest.mark.slow
 def test_checkpoint_shape_does_not_fit_config(run_dir):
     edit_config(run_dir, expansion=8)
     with pytest.raises(

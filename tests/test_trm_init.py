@@ -20,6 +20,8 @@ from trm_fixtures import MODEL_CASES, case
 from jaxport import trm
 from jaxport.trm.params import COMPILED_PREFIX
 
+pytestmark = pytest.mark.slow
+
 CONSTANT = {"model.inner.q_head.weight": 0.0, "model.inner.q_head.bias": -5.0, "model.inner.puzzle_emb.weights": 0.0}
 STANDARD_ERRORS = 5  # how far a sample mean/std may stray from the rule's value
 UNIT_TRUNCATED_STD = 0.8796256610342398  # std of a unit normal cut at +-2 (scipy.stats.truncnorm(-2, 2).std())

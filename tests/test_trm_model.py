@@ -26,6 +26,8 @@ from jaxport.errors import JaxportError
 from jaxport.trm.evaluate import evaluate, reduce_train_metrics, run_to_halt
 from jaxport.trm.model import loss_and_grad
 
+pytestmark = pytest.mark.slow
+
 # Each case as recorded, and the float32 cases again with the recursion run on two row chunks.
 LOADED = [(name, None) for name in MODEL_CASES] + [(name, 2) for name in MODEL_CASES if name.endswith("f32")]
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "trm_seeds.py"
 TINY = ["--num-train", "64", "--num-aug", "1", "--num-test", "32", "--steps", "8", "--eval-every", "4"]
 
@@ -17,7 +19,6 @@ def run_seeds(out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.slow
 def test_tiny_run_evaluates_at_the_steps_and_resumes(tmp_path):
     proc = run_seeds(tmp_path, "--points", "4,8", "--seed-list", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 TINY = [
     "arch.mlp_t=True",
     "arch.pos_encodings=none",
