@@ -442,20 +442,19 @@ def _library_text(model, tokenizer, prompt: str, max_tokens: int, new_tokens: in
 
 
 def test_replies_equal_the_library_alone(server):
-    """Concurrent requests with different prompts, max_tokens, temperatures (greedy and seeded) and fast settings:
-    every reply is what `diffusion_generate` gives for the same request alone."""
+    """Concurrent requests with different prompts, max_tokens, temperatures (greedy, seeded, seeded with top_p) and
+    fast settings: every reply is what `diffusion_generate` gives for the same request alone. Each setting meets
+    each sampling kind once; the library compiles a program per prompt length, program setting (a threshold is an
+    input) and kind (the sampler's branches), so each program setting's kind keeps one prompt: 9 programs, not 15."""
     url, _ = server
+    settings = [({}, 0), (FAST, 1), ({**FAST, "threshold": 0.5}, 1), (FASTDLLM, 2), ({**FASTDLLM, "threshold": 0.6}, 2)]
     requests = []
-    for i, (prompt, extra) in enumerate(
-        [
-            (p, e)
-            for p in PROMPTS
-            for e in ({}, FAST, {**FAST, "threshold": 0.5}, FASTDLLM, {**FASTDLLM, "threshold": 0.6})
-        ]
-    ):
-        temperature, seed = [(0.0, None), (0.8, 11 + i), (1.2, 5)][i % 3]
-        top_p = (None, 0.9)[i % 2] if temperature else None
-        requests.append((prompt, (16, 9)[i % 2], dict(temperature=temperature, top_p=top_p, seed=seed), extra))
+    for extra, program in settings:
+        for kind in range(3):  # greedy, seeded, seeded with top_p: one prompt per program and kind
+            i = len(requests)
+            temperature = (0.0, (0.8, 1.2)[i % 2], (1.2, 0.8)[i % 2])[kind]
+            options = dict(temperature=temperature, top_p=(None, None, 0.9)[kind], seed=(None, 11 + i, 5 + i)[kind])
+            requests.append((PROMPTS[(program + kind) % len(PROMPTS)], (16, 9)[i % 2], options, extra))
 
     def send(request):
         prompt, max_tokens, options, extra = request
