@@ -527,9 +527,9 @@ def test_dream_train_compiles_from_config_and_tokenizer_alone(tmp_path):
 
 @pytest.mark.slow
 @needs_libtpu
-def test_dream_generate_and_serve_compile_their_programs(tmp_path):
+def test_dream_generate_compiles_its_program(tmp_path):
     """One decoding step with every position of the canvas but the prompt masked: the work of upstream's
-    full-canvas forward."""
+    full-canvas forward. (`serve --compile-for`'s programs: tests/test_dream_serve.py, against a server's.)"""
     model = dream_folder(tmp_path, **DREAM)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps("def add(a, b):") + "\n")
@@ -543,16 +543,3 @@ def test_dream_generate_and_serve_compile_their_programs(tmp_path):
     per_token = 2 * dream_params(256, 512, 2, 4, 2, 512) + 4 * 2 * length * 256
     report = check(proc, per_token * length)  # one row per device
     assert "(--mesh 4,1,1)" in report["text"] and "without the command's progress callback" in report["text"]
-
-    proc = jaxport(
-        "dream", "serve", "--model", str(model), "--max-batch", "2", "--prompt-buckets", "16",
-        "--max-tokens-buckets", "32", "--compile-for", "v5e-4",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    served = reports(proc.stdout)  # the server's program at each batch size, 1 and 2
-    assert ["of 1 row(s)" in r["text"] for r in served] == [True, False] and "of 2 row(s)" in served[1]["text"]
-    for report in served:
-        assert 0 < report["needed"] < report["hbm"] and report["fits"], report["text"]
-        assert "roofline" in report["text"] and "collectives" in report["text"]
-    assert "prompt bucket 16 + 32 new tokens" in proc.stdout and "no --mesh: one device" in proc.stdout
-    assert "the server: its 2 programs held at once" in served[1]["text"]

@@ -5,6 +5,7 @@ import concurrent.futures
 import contextlib
 import io
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -752,17 +753,29 @@ def test_continuous_batching_replies_equal_the_library_alone(continuous_server):
 
 @pytest.mark.skipif(compile_for.libtpu_version() is None, reason="libtpu is not installed")
 @pytest.mark.parametrize(
-    "fixture, options, programs", [("server", SERVED, 6), ("continuous_server", SERVED_CONTINUOUS, 3)]
+    "fixture, options, rows, canvas",
+    [("server", SERVED, [1, 2] * 3, (64, 16)), ("continuous_server", SERVED_CONTINUOUS, [1, 2, 4], (64, 128))],
 )
-def test_compile_for_compiles_the_programs_the_server_compiles(request, fixture, options, programs):
-    """`serve --compile-for` compiles what a server of the same flags compiles at start-up, as many programs: each
-    program setting at both batch sizes (static batching), the running batch's block call at each of the three sizes
-    (continuous); then the memory of them all held at once."""
+def test_compile_for_compiles_the_programs_the_server_compiles(request, tmp_path, fixture, options, rows, canvas):
+    """`serve --compile-for` compiles what a server of the same flags compiles at start-up, as many programs, from
+    the folder's config.json and tokenizer alone: each program setting at both batch sizes (static batching), the
+    running batch's block call at each of the three sizes (continuous); each on one device, of the prompt bucket and
+    canvas the server's flags give, with its memory, collectives and roofline; then the memory of them all held at
+    once."""
     url, _ = request.getfixturevalue(fixture)
     started = prometheus(url)[("jaxport_dream_start_up_programs", ())]
-    command = ["dream", "serve", "--model", str(MODEL), "--dtype", "float32", *options, "--compile-for", "v5e-4"]
+    for f in MODEL.iterdir():  # no weights
+        if not f.name.startswith("model"):
+            shutil.copy(f, tmp_path / f.name)
+    command = ["dream", "serve", "--model", str(tmp_path), "--dtype", "float32", *options, "--compile-for", "v5e-4"]
     proc = subprocess.run([sys.executable, "-m", "jaxport.cli", *command], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert len(re.findall(r"^jaxport dream serve: ", proc.stdout, re.M)) == started == programs, proc.stdout
-    assert re.search(rf"^the server: its {programs} programs held at once", proc.stdout, re.M)
+    reports = re.split(r"\n(?=jaxport dream serve: )", proc.stdout.strip())
+    assert len(reports) == started == len(rows), proc.stdout
+    assert [int(re.search(r" of (\d+) row\(s\)", report).group(1)) for report in reports] == rows, proc.stdout
+    for report in reports:
+        assert re.search(r"needs [\d.]+ [KMG]?i?B per device of a v5e device's 16 GiB HBM: fits \(", report), report
+        assert "(no --mesh: one device)" in report and "roofline" in report and "collectives" in report, report
+        assert "prompt bucket {} + {} new tokens".format(*canvas) in report, report
+    assert re.search(rf"^the server: its {len(rows)} programs held at once", proc.stdout, re.M)
     assert "DOES NOT FIT" not in proc.stdout
