@@ -129,12 +129,17 @@ class Family:
             f"--init_from={'resume' if restart else 'scratch'}",
         ]
 
-    def losses(self, run: Path) -> dict[int, float]:
-        """The last logged training loss of every step (a restart logs the steps after its checkpoint again)."""
-        keys = {"trm": ("train/lm_loss", "step"), "dream": ("train/loss", "step"), "gpt": ("loss", "iter")}
-        key, step_key = keys[self.name]
+    def losses(self, run: Path) -> dict[int, tuple]:
+        """The last logged training metrics of every step (a restart logs the steps after its checkpoint again):
+        the loss, and for TRM also its halting loss, accuracy, recursion steps and example count."""
+        keys = {
+            "trm": (("train/lm_loss", "train/q_halt_loss", "train/accuracy", "train/steps", "train/count"), "step"),
+            "dream": (("train/loss",), "step"),
+            "gpt": (("loss",), "iter"),
+        }
+        names, step_key = keys[self.name]
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return {r[step_key]: r[key] for r in rows if key in r}
+        return {r[step_key]: tuple(r[name] for name in names) for r in rows if names[0] in r}
 
     def resumed_from(self, output: str) -> int | None:
         if self.name == "trm":
