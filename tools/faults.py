@@ -1,7 +1,7 @@
 """Fault injection: `kill -9` real training runs (TRM, GPT and Dream) at random moments after the first
 checkpoint exists, and while an asynchronous checkpoint is being written (as soon as orbax's
 temporary step folder appears), restart them with the same command, and check that each run resumes
-from the newest intact checkpoint and then follows an uninterrupted run's losses bit for bit.
+from the newest intact checkpoint and then follows an uninterrupted run's training metrics bit for bit.
 
     python tools/faults.py [--families trm,gpt,dream] [--kills 20] [--seed 0] [--workdir DIR]
 
@@ -129,7 +129,7 @@ class Family:
             f"--init_from={'resume' if restart else 'scratch'}",
         ]
 
-    def losses(self, run: Path) -> dict[int, tuple]:
+    def trajectory(self, run: Path) -> dict[int, tuple]:
         """The last logged training metrics of every step (a restart logs the steps after its checkpoint again):
         the loss, and for TRM also its halting loss, accuracy, recursion steps and example count."""
         keys = {
@@ -256,7 +256,7 @@ def run_family(name: str, kills: int, modes: list[str], root: Path, rng: random.
     code, output = run_to_end(family, reference_run, restart=False)
     if code:
         raise SystemExit(f"the uninterrupted {name} run failed:\n{output[-3000:]}")
-    reference = family.losses(reference_run)
+    reference = family.trajectory(reference_run)
     tally = {"kills": 0, "resumed": 0, "identical": 0}
     for i in range(kills):
         run = root / f"{name}-kill{i}"
@@ -269,10 +269,10 @@ def run_family(name: str, kills: int, modes: list[str], root: Path, rng: random.
         newest = report["intact_steps"][-1] if report["intact_steps"] else None
         report["resumed_from"] = family.resumed_from(output)
         report["resumed"] = code == 0 and report["resumed_from"] == newest
-        losses = family.losses(run) if code == 0 else {}
-        report["identical"] = code == 0 and losses == reference
+        trajectory = family.trajectory(run) if code == 0 else {}
+        report["identical"] = code == 0 and trajectory == reference
         if not report["identical"] and code == 0:
-            report["first_difference"] = next((s for s in sorted(reference) if losses.get(s) != reference[s]), None)
+            report["first_difference"] = next((s for s in sorted(reference) if trajectory.get(s) != reference[s]), None)
         if code:
             report["error"] = output[-2000:]
         tally["resumed"] += report["resumed"]
