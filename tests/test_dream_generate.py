@@ -1,6 +1,7 @@
 """diffusion_generate parity with upstream for every recorded setting, plus hooks, sampling and bad input."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -299,7 +300,9 @@ def test_programs_hold_the_sampler_branches_their_rows_need(model, data):
         return p.program.branches, jitted.lower(*arguments).compile().as_text()
 
     def vocabulary(program, op):
-        return [line for line in program.splitlines() if op in line and f",{vocab}]" in line]
+        """The lines of `program` with `op` on a vocabulary-sized array: `u32[` the random bits of such an array."""
+        shape = re.compile(rf"{re.escape(op)}[\d,]*,{vocab}\]" if op.endswith("[") else rf"\[[\d,]*,{vocab}\]")
+        return [line for line in program.splitlines() if op in line and shape.search(line)]
 
     greedy_branches, greedy = compiled()
     assert greedy_branches == Branches(draw=False, filters=0)
@@ -393,3 +396,51 @@ def test_sampling_filters_match_a_sorted_reference_row_by_row(large):
     assert (
         kept[[1, 2, 3, 5, 7]].max() < PARTIAL_SORT < kept[[8, 11]].min()
     )  # alone: the partial sort; in the batch: not
+
+
+def test_packed_masks_score_as_the_whole_window():
+    """Scoring the masks alone, packed into buckets (what a large vocabulary runs), gives every mask position the
+    candidate, confidence and probability the whole window's scoring gives it, for rows with every mask count (each
+    bucket) and every sampler branch (a draw, top-p, top-k). Packing is the same for every `alg`."""
+    from jaxport.dream.sampling import Rows, bucket_sizes, masked_scores
+
+    alg = "topk_margin"
+    rng = np.random.default_rng(0)
+    B, W, D, V = 6, 32, 16, 96
+    table_DV = jnp.asarray(rng.normal(size=(D, V)).astype(np.float32))
+    hidden_BWD = jnp.asarray(rng.normal(size=(B, W, D)).astype(np.float32))
+
+    def head(h_BSD):
+        return h_BSD @ table_DV
+
+    def hidden_at(index_BS):
+        return jnp.take_along_axis(hidden_BWD, index_BS[..., None], axis=1)
+
+    rows = Rows(
+        temperature=jnp.asarray([0.0, 0.7, 1.0, 0.0, 0.5, 0.0], jnp.float32),
+        top_p=jnp.asarray([1.0, 0.9, 1.0, 0.8, 1.0, 1.0], jnp.float32),
+        top_k=jnp.asarray([0, 0, 20, 5, 0, 0], jnp.int32),
+        alg_temp=jnp.zeros(B, jnp.float32),
+        threshold=jnp.full(B, jnp.inf, jnp.float32),
+    )
+    keys_B = jax.random.split(jax.random.key(3), B)
+    whole_window, packed_masks = (
+        jax.jit(
+            lambda is_mask_BW, packed=packed: masked_scores(
+                head, hidden_at, is_mask_BW, keys_B, alg, rows, packed=packed
+            )
+        )
+        for packed in (False, True)
+    )
+    for most in bucket_sizes(W):  # the most masks of a row: each bucket of the packed program in turn
+        counts = rng.integers(0, most + 1, size=B)
+        counts[0], counts[-1] = most, 0
+        is_mask_BW = np.zeros((B, W), bool)
+        for b, count in enumerate(counts):
+            is_mask_BW[b, rng.choice(W, count, replace=False)] = True
+        whole, packed = whole_window(is_mask_BW), packed_masks(is_mask_BW)
+        for name, a, b in zip(whole._fields, whole, packed, strict=True):
+            assert a.dtype == b.dtype, name
+            at_masks = np.asarray(a)[is_mask_BW], np.asarray(b)[is_mask_BW]
+            np.testing.assert_allclose(*at_masks, rtol=1e-6, atol=0, err_msg=f"{name}, {most} masks")
+        assert len(set(np.asarray(whole.x0)[is_mask_BW])) > 1

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxport import runtime
 from jaxport.dream.program import (
     GenerationOutput,
     JitPrograms,
@@ -49,6 +50,7 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, ends_text_V,
     cos_sin = model.rotary_tables(position_ids)
     ratios = jnp.asarray(transfer_ratios(settings.steps, settings.eps))
     hooks = program.tokens_hook is not None or program.logits_hook is not None
+    packed = runtime.packs_masks(model.config.vocab_size, model.config.hidden_size)
     if program.tokens_hook is not None:
         x_BN = program.tokens_hook(None, x_BN, None)
 
@@ -70,7 +72,14 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, ends_text_V,
             scores = sample_tokens(logits, sample_keys, window_BW, settings.alg, rows, program.branches)
         else:
             scores = masked_scores(
-                model.head, hidden_at, x_BN[:, first:] == mask_id, sample_keys, settings.alg, rows, program.branches
+                model.head,
+                hidden_at,
+                x_BN[:, first:] == mask_id,
+                sample_keys,
+                settings.alg,
+                rows,
+                program.branches,
+                packed=packed,
             )
         # The count is shared by the batch: masks per row on average, truncated as int() does.
         num_mask = jnp.sum(x_BN == mask_id).astype(jnp.float32) / jnp.float32(B)

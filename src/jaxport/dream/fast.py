@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxport import runtime
 from jaxport.dream.exact import step_keys
 from jaxport.dream.program import (
     RECORDS,
@@ -109,6 +110,7 @@ class _BlockLoop:
         self.scoring_rows = np.maximum(np.arange(self.width) + self.lead - 1, 0)
         self.with_threshold_B1 = jnp.isfinite(rows.threshold)[:, None]
         self.head = functools.partial(model.head, table_DV=head_DV)
+        self.packed = runtime.packs_masks(model.config.vocab_size, model.config.hidden_size)
 
     def full_forward(self, x_BN):
         """(hidden states predicting the block `[B, W, D]`, the cache) from the whole canvas. Fast-dLLM's first step
@@ -170,7 +172,9 @@ class _BlockLoop:
         """The schedule's step on the block: its best-ranked masks (and those over the threshold) unmasked."""
         settings, rows = self.settings, self.rows
         is_mask = window_BW == self.mask_id
-        scores = masked_scores(self.head, hidden_at, is_mask, sample_keys, settings.alg, rows, self.program.branches)
+        scores = masked_scores(
+            self.head, hidden_at, is_mask, sample_keys, settings.alg, rows, self.program.branches, packed=self.packed
+        )
         n = self.transfer_count(is_mask, step, active_B1)
         p_transfer = self.ratios[jnp.minimum(step, self.schedule_steps - 1)]
         return unmask(

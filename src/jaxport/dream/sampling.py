@@ -366,19 +366,27 @@ def bucket_sizes(width: int, buckets: int = 4) -> list[int]:
     return sorted({min(width, unit * k) for k in range(1, buckets + 1)})
 
 
-def masked_scores(head, hidden_at, is_mask_BW, keys_B, alg: str, rows: Rows, branches: Branches = Branches()) -> Scores:
-    """`sample_tokens` at every mask position of the window, computing the vocabulary projection `head` and the
-    sampler only there: the masks are packed to the front into the smallest static bucket that holds every row's
-    count (`lax.switch`), then scattered back (-inf, 0 and 0 elsewhere). `hidden_at(index_BS)` gives the final
-    hidden states `[B, S, D]` that score the window positions `index_BS`, computed there too if it can."""
+def masked_scores(
+    head, hidden_at, is_mask_BW, keys_B, alg: str, rows: Rows, branches: Branches = Branches(), *, packed: bool
+) -> Scores:
+    """`sample_tokens` at every mask position of the window (elsewhere anything: `unmask` reads the masks alone).
+    `hidden_at(index_BS)` gives the final hidden states `[B, S, D]` that score the window positions `index_BS`,
+    computed there too if it can.
+    `packed` (`runtime.packs_masks`): the vocabulary projection `head` and the sampler run at the masks alone, packed
+    to the front into the smallest static bucket that holds every row's count (`lax.switch`) and scattered back;
+    else at the whole window, in one copy of the sampler."""
     B, W = is_mask_BW.shape
+    if not packed:
+        window_BW = jnp.broadcast_to(jnp.arange(W), (B, W))
+        confidence, x0, probability = sample_tokens(head(hidden_at(window_BW)), keys_B, window_BW, alg, rows, branches)
+        return Scores(confidence, x0, probability.astype(jnp.float32))
     sizes = bucket_sizes(W)
     most = jnp.max(jnp.sum(is_mask_BW, axis=-1))
     branch = jnp.searchsorted(jnp.asarray(sizes), most)
     order_BW = jnp.argsort(~is_mask_BW, axis=-1, stable=True)  # mask positions first, in order
     batch = jnp.arange(B)[:, None]
 
-    def packed(size):
+    def packed_into(size):
         def run(_):
             index_BS = order_BW[:, :size]
             confidence, x0, probability = sample_tokens(
@@ -392,7 +400,7 @@ def masked_scores(head, hidden_at, is_mask_BW, keys_B, alg: str, rows: Rows, bra
 
         return run
 
-    return Scores(*jax.lax.switch(branch, [packed(size) for size in sizes], None))
+    return Scores(*jax.lax.switch(branch, [packed_into(size) for size in sizes], None))
 
 
 def _row_draws(draw, keys_B, W: int) -> jax.Array:

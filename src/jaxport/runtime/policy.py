@@ -23,6 +23,10 @@ YNN_FUSION_TYPES = "xla_cpu_experimental_ynn_fusion_type"
 INDIVIDUAL_DOTS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
 PLAIN_REDUCTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 ROW_CHUNKS = 2  # chunks of independent rows, which XLA:CPU runs side by side on the cores
+# Vocabulary-projection weights from which block-wise decoding projects the masked positions alone, packed into
+# static buckets: below, the whole window's projection costs less than the sampler's copy per bucket costs to compile
+# (docs/performance.md, "Masked positions in buckets").
+PACKED_MASKS_FROM_WEIGHTS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,12 @@ class Runtime:
         if tokens_per_row is not None and per_device * tokens_per_row >= LARGE_MATMUL_ROWS:
             return 1
         return ROW_CHUNKS
+
+
+def packs_masks(vocab_size: int, hidden_size: int) -> bool:
+    """Whether a decoder whose vocabulary projection is `[hidden_size, vocab_size]` scores the masked positions of a
+    window alone, packed into buckets (`sampling.masked_scores`), rather than the whole window."""
+    return vocab_size * hidden_size >= PACKED_MASKS_FROM_WEIGHTS
 
 
 def _xla_options(platform: str, dtype, rows: int, reduces_leading_axis: bool) -> tuple:
