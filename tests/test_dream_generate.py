@@ -438,8 +438,8 @@ def test_packed_masks_score_as_the_whole_window():
         is_mask_BW = np.zeros((B, W), bool)
         for b, count in enumerate(counts):
             is_mask_BW[b, rng.choice(W, count, replace=False)] = True
-        whole, packed = whole_window(is_mask_BW), packed_masks(is_mask_BW)
-        for name, a, b in zip(whole._fields, whole, packed, strict=True):
+        whole, masks_alone = whole_window(is_mask_BW), packed_masks(is_mask_BW)
+        for name, a, b in zip(whole._fields, whole, masks_alone, strict=True):
             assert a.dtype == b.dtype, name
             at_masks = np.asarray(a)[is_mask_BW], np.asarray(b)[is_mask_BW]
             np.testing.assert_allclose(*at_masks, rtol=1e-6, atol=0, err_msg=f"{name}, {most} masks")

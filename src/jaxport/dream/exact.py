@@ -71,15 +71,9 @@ def exact_loop(graphdef, state, x_BN, valid_BN, keys_B, rows: Rows, ends_text_V,
                 logits = program.logits_hook(step, x_BN, logits)
             scores = sample_tokens(logits, sample_keys, window_BW, settings.alg, rows, program.branches)
         else:
+            is_mask_BW = x_BN[:, first:] == mask_id
             scores = masked_scores(
-                model.head,
-                hidden_at,
-                x_BN[:, first:] == mask_id,
-                sample_keys,
-                settings.alg,
-                rows,
-                program.branches,
-                packed=packed,
+                model.head, hidden_at, is_mask_BW, sample_keys, settings.alg, rows, program.branches, packed=packed
             )
         # The count is shared by the batch: masks per row on average, truncated as int() does.
         num_mask = jnp.sum(x_BN == mask_id).astype(jnp.float32) / jnp.float32(B)
